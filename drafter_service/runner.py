@@ -1,0 +1,151 @@
+"""A model runner: one Hugging Face causal LM, one sequence, one KV cache with O(1) rollback.
+
+Both sides use it: the drafter (to propose and to get q) and the verifier (to score k+1
+positions in one pass and get p). This file is the one place where KV rollback lives.
+
+The cache is position-indexed, as in gpt-fast: each layer owns a preallocated K/V buffer and a
+length. Appending writes into the buffer at [length, length + n); rollback only moves the
+length back. Nothing is recomputed and nothing is copied, whatever the sequence length (the
+buffer doubles when full, which is amortised O(1) per token). Unlike HF's StaticCache, attention
+runs over the valid prefix only (a view of the buffer), so it costs what DynamicCache costs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer path that cannot be loaded."""
+
+
+class PositionLayer(DynamicLayer):
+    """One layer's K/V: a preallocated buffer [batch, heads, capacity, head_dim] and a length."""
+
+    initial_capacity = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self._k = key_states.new_zeros(self._shape(key_states, self.initial_capacity))
+        self._v = value_states.new_zeros(self._shape(value_states, self.initial_capacity))
+        self.is_initialized = True
+
+    @staticmethod
+    def _shape(states: torch.Tensor, capacity: int) -> tuple[int, ...]:
+        return (*states.shape[:-2], capacity, states.shape[-1])
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._k.shape[-2])
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_zeros(self._shape(old, capacity))
+            new[..., : self.length, :] = old[..., : self.length, :]
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._grow(end)
+        self._k[..., self.length : end, :] = key_states
+        self._v[..., self.length : end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._k[..., :length, :]
+        self.values = self._v[..., :length, :]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF convention (transformers 5.x): a negative count of tokens to remove."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number: the count of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(self.length + tokens_to_remove)
+
+
+def load_tokenizer(path: str):
+    _check_dir(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types here
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def _check_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path {path!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model path {path!r} has no config.json (not a Hugging Face model folder)")
+
+
+class ModelRunner:
+    """Runs one causal LM over one sequence with a rollback-able KV cache."""
+
+    def __init__(self, model, tokenizer=None, name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.cache: Cache | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, name: str = "model", dtype=torch.float32, device="cpu"):
+        _check_dir(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
+        return cls(model.to(device), load_tokenizer(path), name=name)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions."""
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    @property
+    def max_length(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30))
+
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor | None:
+        """Start a sequence: a fresh cache holding `prompt_ids`. Returns the last position's logits."""
+        self.cache = Cache(layer_class_to_replicate=PositionLayer)
+        if not prompt_ids:
+            return None
+        return self.score(prompt_ids, last_only=True)[-1]
+
+    @torch.inference_mode()
+    def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append `tokens` to the cache in ONE forward pass; logits [len(tokens), V] (float32)."""
+        if self.cache is None:
+            raise RuntimeError("score() before prefill()")
+        if self.length + len(tokens) > self.max_length:
+            raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        return out.logits[0].float()
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n cached positions. O(1): only lengths move."""
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} cached positions")
+        if n:
+            self.cache.crop(-n)
+
+    def release(self) -> None:
+        self.cache = None

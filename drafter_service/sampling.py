@@ -1,0 +1,99 @@
+"""Sampling settings and the ONE warping function that turns logits into a distribution.
+
+The drafter uses `warp` to get q and the verifier uses it to get p. Speculative sampling is
+exact only if both sides warp with the same (temperature, top_k, top_p), so this is the only
+place where that transformation is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> "SamplingParams":
+        """A copy whose seed is fixed (drawn now if the request gave none), so every party
+        of a request derives the same random streams."""
+        if self.seed is not None:
+            return self
+        return SamplingParams(**{**asdict(self), "seed": random.getrandbits(63)})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., V] -> probabilities [..., V] (float32) under `params`.
+
+    Greedy (temperature 0) gives the one-hot distribution of the argmax, so that the
+    acceptance rule needs no special case and draws no random number for it.
+    Otherwise: divide by temperature, keep the top_k largest, keep the smallest set whose
+    mass reaches top_p (always at least the most likely token), renormalise.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p  # the first token always survives
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def request_generator(seed: int, stream: str, position: int) -> torch.Generator:
+    """A generator for one round of one request, derived from (seed, stream, position).
+
+    Deriving the stream from the committed length (instead of carrying one generator along)
+    keeps sampled output reproducible whatever speculative work was done and thrown away,
+    in one process or across the drafter and verifier actors.
+    """
+    digest = hashlib.blake2b(f"{seed}:{stream}:{position}".encode(), digest_size=8).digest()
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a distribution [V]; a one-hot distribution draws no random number."""
+    nz = torch.nonzero(probs > 0).flatten()
+    if nz.numel() == 1:
+        return int(nz[0])
+    return int(torch.multinomial(probs.double(), 1, generator=generator))

@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+
+# One thread per process: the suite runs on 2 cores next to other processes (Ray actors, and
+# possibly a training run); oversubscribed intra-op threads make torch many times slower.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory):
+    """A saved tiny target/drafter pair sharing one tokenizer (what `specserve make-tiny-pair` writes)."""
+    from cluster.tiny import make_tiny_pair
+    out = tmp_path_factory.mktemp("tiny_pair")
+    target, drafter = make_tiny_pair(str(out), seed=0)
+    return {"target": target, "drafter": drafter, "root": str(out)}

@@ -1,0 +1,77 @@
+"""The `specserve generate` command: output, JSON, and one-line errors with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli import main
+from cluster.tiny import make_tiny_pair, tiny_tokenizer
+
+
+def run_cli(args):
+    """The real console entry point, in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_speculative_and_plain_print_the_same_token_ids(tiny_pair_dir):
+    base = ["generate", "--target", tiny_pair_dir["target"], "--drafter", tiny_pair_dir["drafter"],
+            "--prompt", "def fibonacci(n):", "--max-tokens", "24", "--json", "--threads", "1"]
+    spec, plain = run_cli(base + ["-k", "3"]), run_cli(base + ["--no-speculation"])
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert set(a) == {"text", "token_ids", "stats"}
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"] and len(a["token_ids"]) == 24
+    assert a["stats"]["num_draft_tokens"] > 0 and b["stats"]["num_draft_tokens"] == 0
+
+
+def test_text_output_and_stats(tiny_pair_dir, capsys):
+    rc = main(["generate", "--target", tiny_pair_dir["target"], "--drafter", tiny_pair_dir["drafter"],
+               "--prompt", "x = ", "--max-tokens", "5", "--temperature", "0.7", "--seed", "1"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.startswith("x = ") and "acceptance rate" in out.err
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_drafter(tmp_path_factory):
+    out = tmp_path_factory.mktemp("other")
+    _, drafter = make_tiny_pair(str(out), seed=3)
+    tiny_tokenizer(vocab_size=280).save_pretrained(drafter)  # a different vocabulary
+    return drafter
+
+
+def error_cases(pair, other_drafter):
+    t, d = pair["target"], pair["drafter"]
+    g = ["generate", "--prompt", "x"]
+    return {
+        "missing target path": g + ["--target", "/nonexistent/model", "--drafter", d],
+        "not a model folder": g + ["--target", pair["root"], "--drafter", d],
+        "tokenizer mismatch": g + ["--target", t, "--drafter", other_drafter],
+        "negative temperature": g + ["--target", t, "--drafter", d, "--temperature", "-1"],
+        "top-p out of range": g + ["--target", t, "--drafter", d, "--top-p", "1.5"],
+        "negative top-k": g + ["--target", t, "--drafter", d, "--top-k", "-2"],
+        "zero max tokens": g + ["--target", t, "--drafter", d, "--max-tokens", "0"],
+        "non-integer max tokens": g + ["--target", t, "--drafter", d, "--max-tokens", "ten"],
+        "negative k": g + ["--target", t, "--drafter", d, "-k", "-1"],
+        "prompt longer than context": g[:2] + ["y " * 600, "--target", t, "--drafter", d],
+        "drafter without target": g + ["--drafter", d],
+        "target without drafter": g + ["--target", t],
+        "unknown option": g + ["--target", t, "--frobnicate"],
+    }
+
+
+def test_errors_exit_2_with_one_line(tiny_pair_dir, other_tokenizer_drafter, capsys):
+    for name, args in error_cases(tiny_pair_dir, other_tokenizer_drafter).items():
+        rc = main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2, name
+        assert len(err) == 1 and err[0].startswith("specserve: error: "), (name, err)
+        assert "Traceback" not in err[0]
+
+
+def test_error_through_the_real_entry_point(tiny_pair_dir):
+    r = run_cli(["generate", "--target", "/nonexistent", "--drafter", tiny_pair_dir["drafter"], "--prompt", "x"])
+    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,56 @@
+"""KV rollback: lengths, O(1) cost, and logits equal to a fresh forward after a rollback."""
+
+import torch
+
+from cluster.tiny import tiny_model
+from drafter_service.proposer import DraftModelProposer
+from drafter_service.runner import ModelRunner, PositionLayer
+from drafter_service.sampling import SamplingParams
+from verifier_service.engine import SpeculativeEngine
+
+
+def full_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def test_rollback_then_score_equals_fresh_forward():
+    for arch in ("llama", "gpt2"):
+        model = tiny_model(arch, 64, seed=0)
+        r = ModelRunner(model)
+        seq = torch.randint(0, 64, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+        r.prefill(seq[:100])
+        assert r.length == 100
+        r.score([7, 8, 9, 10, 11])  # a rejected round's drafts
+        r.rollback(4)
+        assert r.length == 101
+        # continue past the first buffer capacity, with another rollback in between
+        got = r.score(seq[101:300])
+        assert torch.allclose(got, full_logits(model, seq[:100] + [7] + seq[101:300])[101:], atol=1e-4)
+        r.rollback(150)
+        got = r.score(seq[150:160])
+        assert torch.allclose(got, full_logits(model, seq[:100] + [7] + seq[101:160])[150:], atol=1e-4)
+
+
+def test_rollback_moves_a_length_not_data():
+    model = tiny_model("llama", 64, seed=0)
+    r = ModelRunner(model)
+    r.prefill(list(range(50)))
+    layer = r.cache.layers[0]
+    assert isinstance(layer, PositionLayer)
+    ptr = layer._k.data_ptr()
+    r.score([1, 2, 3, 4])
+    r.rollback(3)
+    assert layer._k.data_ptr() == ptr and r.length == 51 and layer.keys.shape[-2] == 51
+
+
+def test_after_rejected_round_caches_hold_the_accepted_prefix():
+    target, drafter = tiny_model("llama", 64, seed=1), tiny_model("llama", 64, seed=2)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)), eos_ids=set())
+    engine.target.release = lambda: None  # keep the cache to inspect it after generate()
+    r = engine.generate([3, 4, 5], 6, SamplingParams(), k=4)
+    assert r.stats.num_accepted_tokens < r.stats.num_draft_tokens  # some round was rejected
+    # the target holds prompt + all written tokens but the last one
+    assert engine.target.length == 3 + len(r.token_ids) - 1
+    got = engine.target.score([r.token_ids[-1]])
+    assert torch.allclose(got[-1], full_logits(target, [3, 4, 5] + r.token_ids)[-1], atol=1e-4)
