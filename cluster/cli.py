@@ -80,8 +80,15 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     if args.distributed:
         from cluster.pair import generate_distributed
-        result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling, args.k,
-                                                 pipeline=not args.no_pipeline)
+        from drafter_service.runner import load_tokenizer
+        from verifier_service.engine import same_tokenizer
+        try:  # check paths and the shared vocabulary here, before any actor starts
+            if drafter is not None and not same_tokenizer(load_tokenizer(target), load_tokenizer(drafter)):
+                raise CLIError(f"the drafter's tokenizer ({drafter}) differs from the target's ({target})")
+            result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
+                                                     args.k, pipeline=not args.no_pipeline)
+        except (ModelLoadError, ValueError) as e:
+            raise CLIError(str(e)) from None
     else:
         try:
             engine = load_engine(target, drafter)

@@ -20,6 +20,7 @@ from drafter_service.sampling import SamplingParams, request_generator, sample, 
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # [k, V] q the tokens were sampled from; None when greedy
+    pipeline_hit: bool = False  # prepared while the previous round was being verified
 
 
 def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
@@ -32,6 +33,8 @@ def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
 
 class Proposer:
     """Interface: start a sequence, propose k tokens after newly committed ones, release."""
+
+    max_length: int = 1 << 30  # longest sequence the proposer can hold
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         raise NotImplementedError
@@ -50,6 +53,7 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.tokens: list[int] = []  # committed tokens
         self.cached: list[int] = []  # tokens in the runner's KV cache (committed prefix + drafts)
+        self.max_length = runner.max_length
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if params.seed is None:
@@ -66,7 +70,10 @@ class DraftModelProposer(Proposer):
         keep = min(common_prefix_len(self.cached, self.tokens, start=min(committed_before, len(self.cached))),
                    len(self.tokens) - 1)
         self.runner.rollback(len(self.cached) - keep)
-        logits = self.runner.score(self.tokens[keep:], last_only=True)[-1]
+        # One token per forward, so the cache holds the same numbers whichever path led here
+        # (on demand or pipelined): q, and so sampled output, does not depend on timing.
+        for token in self.tokens[keep:]:
+            logits = self.runner.score([token], last_only=True)[-1]
         self.cached = list(self.tokens)
         return self._draft(logits, k)
 
@@ -85,6 +92,12 @@ class DraftModelProposer(Proposer):
                 logits = self.runner.score([x])[-1]
                 self.cached.append(x)
         return Draft(drafts, torch.stack(qs) if qs else None)
+
+    def most_likely_after(self, token: int) -> int:
+        """Feed one more (drafted) token and return the drafter's argmax after it."""
+        logits = self.runner.score([token], last_only=True)[-1]
+        self.cached.append(token)
+        return int(logits.argmax())
 
     def release(self) -> None:
         self.runner.release()

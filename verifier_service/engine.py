@@ -13,6 +13,7 @@ k = 0 (or no proposer) is plain target decoding through the same runner and loop
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from drafter_service.proposer import Draft, DraftModelProposer, Proposer
 from drafter_service.runner import ModelRunner
@@ -63,7 +64,7 @@ class SpecStats:
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS or a stop token), "length", or "cancelled"
     stats: SpecStats
 
 
@@ -106,11 +107,13 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
         self.max_length = target.max_length
-        if proposer is not None and hasattr(proposer, "runner"):
-            self.max_length = min(self.max_length, proposer.runner.max_length)
+        if proposer is not None:
+            self.max_length = min(self.max_length, proposer.max_length)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 k: int = 4) -> GenerationResult:
+                 k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+        """on_tokens, if given, receives each round's written tokens; returning False cancels the
+        request (finish_reason "cancelled"). Both caches are released however the request ends."""
         if self.proposer is None:
             k = 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
@@ -118,22 +121,26 @@ class SpeculativeEngine:
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         stats = SpecStats()
         out: list[int] = []
-        self.target.prefill(prompt_ids[:-1])
-        if k:
-            self.proposer.start(prompt_ids, params)
         pending, unsent = prompt_ids[-1], []  # unsent: committed tokens the drafter has not been told
         try:
+            self.target.prefill(prompt_ids[:-1])
+            if k:
+                self.proposer.start(prompt_ids, params)
             while True:
                 kk = min(k, max_new_tokens - len(out) - 1)  # never overshoot max_new_tokens
                 draft = self.proposer.propose(unsent, kk) if kk else Draft([], None)
                 unsent = [] if kk else unsent
                 num_accepted, next_token = self.verify(pending, draft, params, len(prompt_ids) + len(out))
                 stats.record(kk, num_accepted)
+                stats.num_pipeline_hits += draft.pipeline_hit
                 emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], stop_ids)
                 out += emitted
                 unsent += emitted
+                wanted = on_tokens is None or on_tokens(emitted) is not False
                 if stopped or len(out) >= max_new_tokens:
                     return GenerationResult(out, "stop" if stopped else "length", stats)
+                if not wanted:
+                    return GenerationResult(out, "cancelled", stats)
                 pending = next_token
         finally:
             self.target.release()
