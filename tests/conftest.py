@@ -17,3 +17,12 @@ def tiny_pair_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_pair")
     target, drafter = make_tiny_pair(str(out), seed=0)
     return {"target": target, "drafter": drafter, "root": str(out)}
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for the whole session, with logical GPUs for placement tests."""
+    import ray
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,121 @@
+"""Drafter and verifier as Ray actors over gRPC: exactness, sampling, placement, release."""
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from cluster.pair import SpeculativePair
+from cluster.tiny import make_tiny_pair, tiny_model, tiny_tokenizer
+from drafter_service.runner import ModelRunner
+from drafter_service.sampling import SamplingParams, warp
+from verifier_service.engine import SpeculativeEngine
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Three saved tiny pairs; the third's drafter is its target (every draft accepted)."""
+    out = []
+    for seed in (11, 12):
+        out.append(make_tiny_pair(str(tmp_path_factory.mktemp(f"pair{seed}")), seed=seed))
+    out.append((out[0][0], out[0][0]))
+    return out
+
+
+def plain_greedy(target_path, prompt, n):
+    engine = SpeculativeEngine(ModelRunner.from_pretrained(target_path), None)
+    return engine.generate(prompt, n, SamplingParams(), 0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline):
+    for i, (target, drafter) in enumerate(pairs):
+        pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1)
+        try:
+            rng = random.Random(i)
+            for _ in range(4):
+                prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
+                n, k = rng.randint(1, 48), rng.randint(1, 6)
+                got = pair.generate(prompt, n, SamplingParams(), k)
+                want = plain_greedy(target, prompt, n)
+                assert got.token_ids == want.token_ids, (i, prompt, k)
+                assert got.finish_reason == want.finish_reason
+                assert got.stats.num_target_passes <= len(got.token_ids)
+                if target == drafter and n > 1:
+                    assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
+                    if pipeline and got.stats.num_drafts > 1:
+                        assert got.stats.num_pipeline_hits > 0
+        finally:
+            pair.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    """Target and drafter over a vocabulary of 8, for a statistical check."""
+    root = tmp_path_factory.mktemp("vocab8")
+    tok = tiny_tokenizer()
+    paths = []
+    for name, seed in (("target", 5), ("drafter", 6)):
+        tiny_model("llama", 8, seed=seed, initializer_range=0.5).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths
+
+
+def test_sampling_reproducible_and_distributed_as_target(ray_session, small_vocab_pair):
+    target, drafter = small_vocab_pair
+    params = dict(temperature=1.2, top_k=6)
+    pair = SpeculativePair(target, drafter, pipeline=True, cpus_per_actor=1)
+    try:
+        a = pair.generate([1, 2], 40, SamplingParams(seed=7, **params), k=3)
+        b = pair.generate([1, 2], 40, SamplingParams(seed=7, **params), k=3)
+        assert a.token_ids == b.token_ids
+        n = 1200
+        refs = [pair.submit([1, 2], 2, SamplingParams(seed=s, **params), k=3) for s in range(n)]
+        firsts = [pair.result(r).token_ids[0] for r in refs]
+    finally:
+        pair.shutdown()
+    model = ModelRunner.from_pretrained(target).model
+    with torch.no_grad():
+        p = warp(model(torch.tensor([[1, 2]])).logits[0, -1], SamplingParams(**params)).double().numpy()
+    counts = np.bincount(firsts, minlength=8)
+    sup = p > 0
+    assert counts[~sup].sum() == 0
+    assert stats.chisquare(counts[sup], n * p[sup] / p[sup].sum()).pvalue > 1e-3
+
+
+def test_actors_get_different_gpus(ray_session, pairs):
+    pair = SpeculativePair(*pairs[0], use_gpu=True, cpus_per_actor=1)
+    try:
+        import ray
+        t_ids = ray.get(pair.verifier.accelerator_ids.remote())
+        d_ids = ray.get(pair.drafter.accelerator_ids.remote())
+        assert len(t_ids) == 1 and len(d_ids) == 1 and t_ids != d_ids
+    finally:
+        pair.shutdown()
+
+
+def test_release_after_end_and_cancel(ray_session, pairs):
+    import ray
+    pair = SpeculativePair(*pairs[1], pipeline=True, cpus_per_actor=1)
+    try:
+        pair.generate([5, 6, 7], 20, SamplingParams(), k=4)
+        assert ray.get(pair.drafter.live_sequences.remote()) == 0
+        assert ray.get(pair.verifier.target_length.remote()) == 0
+        ref = pair.submit([5, 6, 7], 500, SamplingParams(temperature=0.8, seed=1), k=4, request_id="long")
+        time.sleep(0.5)
+        pair.cancel("long")
+        result = pair.result(ref)
+        assert result.finish_reason == "cancelled" and len(result.token_ids) < 500
+        assert ray.get(pair.drafter.live_sequences.remote()) == 0
+        assert ray.get(pair.verifier.target_length.remote()) == 0
+        # a bad request is an error for that request only
+        with pytest.raises(ValueError):
+            pair.generate([5] * 600, 10, SamplingParams(), k=4)
+        assert ray.get(pair.drafter.live_sequences.remote()) == 0
+        assert len(pair.generate([5, 6], 3, SamplingParams(), k=2).token_ids) == 3
+    finally:
+        pair.shutdown()

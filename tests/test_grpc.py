@@ -1,0 +1,114 @@
+"""The gRPC contract: committed stubs are fresh, and bad requests get statuses, not a dead server."""
+
+import filecmp
+import os
+
+import grpc
+import pytest
+import torch
+
+from cluster.tiny import tiny_model
+from drafter_service.server import q_from_proto, q_to_proto, serve
+from drafter_service.sampling import SamplingParams, warp
+from proto import build
+from proto import speculative_pb2 as pb
+from proto import speculative_pb2_grpc as pb_grpc
+
+V = 64
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    for fresh in build.generate(str(tmp_path)):
+        committed = os.path.join(build.PROTO_DIR, os.path.basename(fresh))
+        assert filecmp.cmp(fresh, committed, shallow=False), f"{committed} is stale: run `python -m proto.build`"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+                                    SamplingParams(temperature=0.5, top_p=0.3)])
+def test_q_travels_exactly(params):
+    q = warp(torch.randn(V) * 3, params)
+    msg = pb.Distribution.FromString(q_to_proto(q).SerializeToString())
+    assert torch.equal(q_from_proto(msg, V), q)
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server, port, servicer = serve(tiny_model("llama", V, seed=0), host="127.0.0.1", pipeline=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.DrafterStub(channel), channel, servicer
+    channel.close()
+    server.stop(0)
+
+
+def start(stub, seq_id, prompt=(1, 2, 3), temperature=0.0):
+    return stub.Start(pb.StartRequest(items=[pb.StartItem(seq_id=seq_id, prompt_ids=list(prompt),
+                                                          sampling=pb.Sampling(temperature=temperature, seed=1))]),
+                      timeout=10)
+
+
+def propose(stub, seq_id, new_tokens=(), k=3, round_=1):
+    return stub.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id=seq_id, round=round_,
+                                                                new_tokens=list(new_tokens), k=k)]), timeout=10)
+
+
+def code_of(fn):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.details(), "an error status without a message"
+    return e.value.code()
+
+
+def test_bad_requests_get_statuses_and_the_server_keeps_serving(stub):
+    s, channel, servicer = stub
+    assert code_of(lambda: propose(s, "nope")) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: start(s, "")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: start(s, "a", prompt=())) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: start(s, "a", prompt=(1, V + 5))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: start(s, "a", prompt=[1] * 5000)) == grpc.StatusCode.OUT_OF_RANGE
+    start(s, "ok")
+    assert code_of(lambda: start(s, "ok")) == grpc.StatusCode.ALREADY_EXISTS
+    assert code_of(lambda: propose(s, "ok", k=0)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: propose(s, "ok", new_tokens=[-1])) == grpc.StatusCode.INVALID_ARGUMENT
+    bad_sampling = pb.StartRequest(items=[pb.StartItem(seq_id="t", prompt_ids=[1],
+                                                       sampling=pb.Sampling(temperature=-1.0))])
+    assert code_of(lambda: s.Start(bad_sampling, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    # bytes that are no ProposeRequest at all
+    raw = channel.unary_unary("/specserve.v1.Drafter/Propose", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        raw(b"\xff\xff\xff\xff garbage", timeout=10)
+    assert e.value.code() != grpc.StatusCode.OK
+    # and the server still serves
+    reply = propose(s, "ok", k=4)
+    assert len(reply.drafts[0].tokens) == 4 and not reply.drafts[0].q  # greedy: no q travels
+    assert s.Release(pb.ReleaseRequest(seq_ids=["ok", "unknown"]), timeout=10).live_sequences == 0
+
+
+def test_batched_messages_and_sampled_q(stub):
+    s, _, _ = stub
+    req = pb.StartRequest(items=[pb.StartItem(seq_id=f"b{i}", prompt_ids=[1 + i, 2], sampling=pb.Sampling(
+        temperature=0.9, top_k=8, seed=i)) for i in range(3)])
+    assert s.Start(req, timeout=10).live_sequences == 3
+    reply = s.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id=f"b{i}", round=7, k=2) for i in range(3)]),
+                      timeout=10)
+    assert [d.seq_id for d in reply.drafts] == ["b0", "b1", "b2"] and all(d.round == 7 for d in reply.drafts)
+    for d in reply.drafts:
+        assert len(d.q) == 2
+        for tok, q in zip(d.tokens, d.q):
+            assert len(q.token_ids) == 8 and tok in q.token_ids  # sparse after top-k, and the draft is in it
+    assert s.Release(pb.ReleaseRequest(seq_ids=["b0", "b1", "b2"]), timeout=10).live_sequences == 0
+
+
+def test_client_calls_carry_deadlines():
+    """A drafter that does not answer fails the call within its deadline instead of hanging."""
+    import socket
+    import time
+
+    from verifier_service.client import DrafterClient
+    with socket.socket() as silent:  # accepts TCP connections, never speaks HTTP/2
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            DrafterClient(f"127.0.0.1:{silent.getsockname()[1]}", deadline_s=1.0)
+        assert time.monotonic() - t0 < 10
