@@ -1,0 +1,197 @@
+"""Benchmarks (commands, not tests). `specserve bench distributed` runs, on the same prompts:
+
+  1. target only, in process          3. distributed (Ray + gRPC), sequential
+  2. the in-process speculative engine 4. distributed, pipelined
+
+with one torch thread per model, and reports tokens/s, mean acceptance length, target passes per
+token, pipeline hit rate and each row's speedup over row 1 (medians over repeats, all measured in
+one run), plus the ideal speedup for the measured acceptance rate:
+E(alpha, k) * T_target(1 token) / T_target(k + 1 tokens), E = (1 - alpha^(k+1)) / (1 - alpha).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.cli import DEFAULT_MODEL_DIR, REPO_ROOT
+
+RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
+
+
+def heldout_prompts(model_dir: Path, n: int, prompt_tokens: int, tokenizer, seed: int = 0) -> list[list[int]]:
+    """Prompts from held-out stdlib files (demo pair), starting at random line starts."""
+    split = model_dir / "split.json"
+    if not split.exists():
+        rng = random.Random(seed)
+        return [[rng.randrange(tokenizer.vocab_size) for _ in range(prompt_tokens)] for _ in range(n)]
+    from cluster.demo_pair import heldout_files
+    rng = random.Random(seed)
+    files = sorted(heldout_files(str(split)))
+    prompts = []
+    while len(prompts) < n:
+        with open(rng.choice(files), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines(keepends=True)
+        if len(lines) < 20:
+            continue
+        start = rng.randrange(0, len(lines) - 10)
+        ids = tokenizer("".join(lines[start:start + 60]))["input_ids"][:prompt_tokens]
+        if len(ids) == prompt_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    return expected * t1 / tk1
+
+
+def time_target_pass(runner, prompt: list[int], n_tokens: int, reps: int = 30) -> float:
+    """Median seconds of one target forward that scores n_tokens new positions after `prompt`."""
+    times = []
+    runner.prefill(prompt)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.score(prompt[:n_tokens])
+        times.append(time.perf_counter() - t0)
+        runner.rollback(n_tokens)
+    runner.release()
+    return statistics.median(times)
+
+
+def measure(generate, prompts, max_tokens: int, k: int) -> dict:
+    """One pass over all prompts (greedy): throughput and speculation statistics."""
+    from drafter_service.sampling import SamplingParams
+    tokens = passes = drafts = accepted = drafted = hits = 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        r = generate(p, max_tokens, SamplingParams(), k)
+        tokens += len(r.token_ids)
+        passes += r.stats.num_target_passes
+        drafts += r.stats.num_drafts
+        drafted += r.stats.num_draft_tokens
+        accepted += r.stats.num_accepted_tokens
+        hits += r.stats.num_pipeline_hits
+    elapsed = time.perf_counter() - t0
+    return dict(tokens_per_s=tokens / elapsed, passes_per_token=passes / tokens,
+                mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                pipeline_hit_rate=hits / drafts if drafts else 0.0)
+
+
+def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict:
+    """rows: name -> factory() returning (generate, close); generate(prompt_ids, max_tokens, sampling, k)
+    returns a GenerationResult. Rows run one after another, each on its own resources."""
+    from drafter_service.sampling import SamplingParams
+    results = {}
+    for name, factory in rows.items():
+        generate, close = factory()
+        try:
+            generate(prompts[0], 8, SamplingParams(), k)  # warm-up
+            per_run = [measure(generate, prompts, max_tokens, k) for _ in range(repeats)]
+        finally:
+            close()
+        print(f"  {name}: " + ", ".join(f"{r['tokens_per_s']:.1f}" for r in per_run) + " tok/s",
+              file=sys.stderr, flush=True)
+        results[name] = {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
+        results[name]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in per_run]
+    base = results[next(iter(results))]["tokens_per_s"]
+    for r in results.values():
+        r["speedup"] = r["tokens_per_s"] / base
+    return results
+
+
+def bench_distributed(args) -> dict:
+    from cluster.pair import SpeculativePair
+    from drafter_service.proposer import DraftModelProposer
+    from drafter_service.runner import ModelRunner
+    from verifier_service.engine import SpeculativeEngine
+
+    torch.set_num_threads(1)
+    model_dir = Path(args.models)
+    target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
+    target = ModelRunner.from_pretrained(target_path, name="target")
+    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter")
+    prompts = heldout_prompts(model_dir, args.prompts, args.prompt_tokens, target.tokenizer)
+    plain = SpeculativeEngine(target, None)
+    spec = SpeculativeEngine(target, DraftModelProposer(drafter))
+    t1 = time_target_pass(target, prompts[0], 1)
+    tk1 = time_target_pass(target, prompts[0], args.k + 1)
+
+    def distributed(pipeline):
+        def factory():
+            pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1)
+            return pair.generate, pair.shutdown
+        return factory
+
+    rows = {"1 target only (in process)": lambda: (plain.generate, lambda: None),
+            "2 speculative (in process)": lambda: (spec.generate, lambda: None),
+            "3 distributed, sequential": distributed(False),
+            "4 distributed, pipelined": distributed(True)}
+    results = run_rows(rows, prompts, args.max_tokens, args.k, args.repeats)
+    alpha = results["2 speculative (in process)"]["acceptance_rate"]
+    ideal = ideal_speedup(alpha, args.k, t1, tk1)
+    return dict(models=str(model_dir), k=args.k, prompts=len(prompts), prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens, repeats=args.repeats, threads_per_model=1,
+                t_target_1_ms=t1 * 1e3, t_target_k1_ms=tk1 * 1e3, alpha=alpha, ideal_speedup=ideal,
+                pipelined_fraction_of_ideal=results["4 distributed, pipelined"]["speedup"] / ideal,
+                pipelined_over_sequential=results["4 distributed, pipelined"]["tokens_per_s"]
+                / results["3 distributed, sequential"]["tokens_per_s"],
+                distributed_overhead=1 - results["3 distributed, sequential"]["tokens_per_s"]
+                / results["2 speculative (in process)"]["tokens_per_s"],
+                rows=results)
+
+
+def markdown(report: dict, command: str) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Models: `{report['models']}`, k = {report['k']}, {report['prompts']} prompts of "
+             f"{report['prompt_tokens']} tokens, {report['max_tokens']} new tokens each (greedy), "
+             f"median of {report['repeats']} runs, 1 torch thread per model.", "",
+             "| row | tokens/s | speedup vs row 1 | mean acceptance length | target passes / token | pipeline hit rate |",
+             "|---|---|---|---|---|---|"]
+    for name, r in report["rows"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['mean_acceptance_length']:.2f} "
+                     f"| {r['passes_per_token']:.3f} | {r['pipeline_hit_rate']:.2f} |")
+    lines += ["", f"- acceptance rate alpha = {report['alpha']:.3f}; T_target(1) = {report['t_target_1_ms']:.2f} ms, "
+              f"T_target({report['k'] + 1}) = {report['t_target_k1_ms']:.2f} ms (same run)",
+              f"- ideal speedup E(alpha, k) × T(1)/T(k+1) = {report['ideal_speedup']:.2f}×; "
+              f"row 4 reaches {report['pipelined_fraction_of_ideal']:.0%} of it",
+              f"- row 4 / row 3 (pipelined over sequential) = {report['pipelined_over_sequential']:.2f}×",
+              f"- distributed overhead (row 3 against row 2) = {report['distributed_overhead']:.1%}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specserve bench")
+    sub = p.add_subparsers(dest="which", required=True)
+    d = sub.add_parser("distributed", help="in-process vs Ray+gRPC, sequential vs pipelined")
+    d.add_argument("--models", default=str(DEFAULT_MODEL_DIR), help="folder with target/ and drafter/")
+    d.add_argument("-k", type=int, default=4)
+    d.add_argument("--prompts", type=int, default=10)
+    d.add_argument("--prompt-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    report = bench_distributed(args)
+    command = "specserve bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = markdown(report, command)
+    print(md)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n")
+    Path(args.out + ".md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
