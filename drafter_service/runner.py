@@ -1,9 +1,11 @@
 """A model runner: one Hugging Face causal LM, one sequence, one KV cache with O(1) rollback.
 
 Both sides use it: the drafter (to propose and to get q) and the verifier (to score k+1
-positions in one pass and get p). This file is the one place where KV rollback lives.
+positions in one pass and get p). Llama checkpoints run through `fast_llama` (a lean forward
+over the same weights, with its own slot cache: rollback moves a length); every other
+architecture runs through HF's modules with the cache below.
 
-The cache is position-indexed, as in gpt-fast: each layer owns a preallocated K/V buffer and a
+The HF-path cache is position-indexed, as in gpt-fast: each layer owns a preallocated K/V buffer and a
 length. Appending writes into the buffer at [length, length + n); rollback only moves the
 length back. Nothing is recomputed and nothing is copied, whatever the sequence length (the
 buffer doubles when full, which is amortised O(1) per token). Unlike HF's StaticCache, attention
@@ -17,6 +19,9 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, DynamicLayer
+
+from drafter_service.fast_llama import FastLlama
+from drafter_service.fast_llama import supports as fast_llama_supports
 
 
 class ModelLoadError(ValueError):
@@ -92,12 +97,15 @@ def _check_dir(path: str) -> None:
 class ModelRunner:
     """Runs one causal LM over one sequence with a rollback-able KV cache."""
 
-    def __init__(self, model, tokenizer=None, name: str = "model"):
+    def __init__(self, model, tokenizer=None, name: str = "model", fast: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.cache: Cache | None = None
+        self.cache: Cache | None = None  # HF path
+        # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
+        self.fast = FastLlama(model) if fast and fast_llama_supports(model) else None
+        self.started = False
 
     @classmethod
     def from_pretrained(cls, path: str, name: str = "model", dtype=torch.float32, device="cpu"):
@@ -115,6 +123,8 @@ class ModelRunner:
     @property
     def length(self) -> int:
         """Number of cached positions."""
+        if self.fast is not None:
+            return self.fast.lengths[0]
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     @property
@@ -124,7 +134,11 @@ class ModelRunner:
 
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor | None:
         """Start a sequence: a fresh cache holding `prompt_ids`. Returns the last position's logits."""
-        self.cache = Cache(layer_class_to_replicate=PositionLayer)
+        self.started = True
+        if self.fast is not None:
+            self.fast.reset()
+        else:
+            self.cache = Cache(layer_class_to_replicate=PositionLayer)
         if not prompt_ids:
             return None
         return self.score(prompt_ids, last_only=True)[-1]
@@ -132,10 +146,12 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
         """Append `tokens` to the cache in ONE forward pass; logits [len(tokens), V] (float32)."""
-        if self.cache is None:
+        if not self.started:
             raise RuntimeError("score() before prefill()")
         if self.length + len(tokens) > self.max_length:
             raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
+        if self.fast is not None:
+            return self.fast.forward([list(tokens)], [0], last_only=last_only)[0]
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         return out.logits[0].float()
@@ -144,8 +160,13 @@ class ModelRunner:
         """Forget the last n cached positions. O(1): only lengths move."""
         if n < 0 or n > self.length:
             raise ValueError(f"cannot roll back {n} of {self.length} cached positions")
-        if n:
+        if n and self.fast is not None:
+            self.fast.rollback(n)
+        elif n:
             self.cache.crop(-n)
 
     def release(self) -> None:
         self.cache = None
+        self.started = False
+        if self.fast is not None:
+            self.fast.reset()

@@ -33,15 +33,45 @@ def test_rollback_then_score_equals_fresh_forward():
 
 
 def test_rollback_moves_a_length_not_data():
-    model = tiny_model("llama", 64, seed=0)
-    r = ModelRunner(model)
-    r.prefill(list(range(50)))
-    layer = r.cache.layers[0]
+    """Both cache paths: HF modules (GPT-2 here) and the lean Llama forward."""
+    hf = ModelRunner(tiny_model("gpt2", 64, seed=0))
+    assert hf.fast is None
+    hf.prefill(list(range(50)))
+    layer = hf.cache.layers[0]
     assert isinstance(layer, PositionLayer)
     ptr = layer._k.data_ptr()
-    r.score([1, 2, 3, 4])
-    r.rollback(3)
-    assert layer._k.data_ptr() == ptr and r.length == 51 and layer.keys.shape[-2] == 51
+    hf.score([1, 2, 3, 4])
+    hf.rollback(3)
+    assert layer._k.data_ptr() == ptr and hf.length == 51 and layer.keys.shape[-2] == 51
+
+    fast = ModelRunner(tiny_model("llama", 64, seed=0))
+    assert fast.fast is not None
+    fast.prefill(list(range(50)))
+    ptr = fast.fast.k[0].data_ptr()
+    fast.score([1, 2, 3, 4])
+    fast.rollback(3)
+    assert fast.fast.k[0].data_ptr() == ptr and fast.length == 51
+
+
+def test_fast_llama_matches_hf_modules():
+    model = tiny_model("llama", 64, seed=3, layers=3)
+    fast, hf = ModelRunner(model), ModelRunner(model, fast=False)
+    seq = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    for r in (fast, hf):
+        r.prefill(seq[:280])
+    assert torch.allclose(fast.score(seq[280:285]), hf.score(seq[280:285]), atol=1e-5)
+
+
+def test_fast_llama_batched_ragged_slots_match_single():
+    from drafter_service.fast_llama import FastLlama
+    model = tiny_model("llama", 64, seed=4)
+    seqs = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 55)]
+    batched = FastLlama(model, slots=3)
+    for slot, s in enumerate(seqs):
+        batched.forward([s[:-3]], [slot])
+    outs = batched.forward([s[-3:] for s in seqs], [0, 1, 2])
+    for s, out in zip(seqs, outs):
+        assert torch.allclose(out, full_logits(model, s)[-3:], atol=1e-4)
 
 
 def test_after_rejected_round_caches_hold_the_accepted_prefix():
