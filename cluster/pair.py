@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter_service.sampling import SamplingParams
-from verifier_service.engine import GenerationResult, SpecStats
+from verifier_service.engine import GenerationResult, Overloaded, SpecStats
 
 TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1
 
@@ -31,6 +31,9 @@ class PairConfig:
     use_gpu: bool | None = None  # None: one GPU per actor when the cluster has GPUs
     strategy: str = "PACK"  # placement strategy for the pair's two bundles
     cpus_per_actor: float = 1.0  # also each actor's torch thread count (at least 1)
+    max_num_seqs: int = 8  # sequences batched together in each round
+    max_waiting: int = 64  # queued requests beyond which new ones are refused (Overloaded)
+    max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
 
     def bundles(self) -> list[dict]:
         use_gpu = self.use_gpu if self.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 2
@@ -63,12 +66,15 @@ class SpeculativePair:
         self.drafter = None
         try:
             if drafter is not None:
-                self.drafter = DrafterActor.options(**opts(DRAFTER_BUNDLE)).remote(drafter, pipeline, threads)
+                self.drafter = DrafterActor.options(**opts(DRAFTER_BUNDLE)).remote(
+                    drafter, pipeline, threads, max_sequences=self.config.max_num_seqs)
                 address = ray.get(self.drafter.get_address.remote())
             else:
                 address = None
-            self.verifier = VerifierActor.options(max_concurrency=16, **opts(TARGET_BUNDLE)).remote(
-                target, address, threads)
+            c = self.config
+            self.verifier = VerifierActor.options(max_concurrency=c.max_num_seqs + c.max_waiting + 8,
+                                                  **opts(TARGET_BUNDLE)).remote(
+                target, address, threads, c.max_num_seqs, c.max_waiting, c.max_model_len)
             ray.get(self.verifier.accelerator_ids.remote())  # surfaces a load error here
         except Exception:
             self.shutdown()
@@ -90,14 +96,18 @@ class SpeculativePair:
         try:
             out = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):
-                raise ValueError(str(e.cause)) from None
+            if isinstance(e.cause, (ValueError, Overloaded)):
+                raise type(e.cause)(str(e.cause)) from None
             raise
         stats = SpecStats(**{k: v for k, v in out["stats"].items() if k in SpecStats.__dataclass_fields__})
         return GenerationResult(out["token_ids"], out["finish_reason"], stats)
 
-    def cancel(self, request_id: str) -> None:
-        ray.get(self.verifier.cancel.remote(request_id))
+    def cancel(self, request_id: str) -> bool:
+        return ray.get(self.verifier.cancel.remote(request_id))
+
+    def load(self) -> dict:
+        """Running / waiting sequences and free target slots of the verifier."""
+        return ray.get(self.verifier.load.remote())
 
     def shutdown(self) -> None:
         for actor in (getattr(self, "verifier", None), self.drafter):

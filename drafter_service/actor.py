@@ -7,7 +7,8 @@ import ray
 
 @ray.remote
 class DrafterActor:
-    def __init__(self, model_path: str, pipeline: bool = True, threads: int = 1, port: int = 0):
+    def __init__(self, model_path: str, pipeline: bool = True, threads: int = 1, port: int = 0,
+                 max_sequences: int = 64):
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -17,7 +18,8 @@ class DrafterActor:
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()
         runner = ModelRunner.from_pretrained(model_path, name="drafter")
-        self.server, self.port, self.servicer = serve(runner.model, port=port, pipeline=pipeline)
+        self.server, self.port, self.servicer = serve(runner.model, port=port, pipeline=pipeline,
+                                                      max_sequences=max_sequences)
         self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
 
     def get_address(self) -> str:
@@ -27,7 +29,7 @@ class DrafterActor:
         return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
 
     def live_sequences(self) -> int:
-        return len(self.servicer.seqs)
+        return self.servicer.live_sequences
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)

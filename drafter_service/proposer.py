@@ -1,14 +1,15 @@
 """Proposers: what suggests the k draft tokens, behind one small interface (as vLLM's
 `spec_decode` proposers and HF's `CandidateGenerator`).
 
-A proposer is told, on every call, only which tokens were committed since its last call. It
-keeps its own KV cache and, from those tokens, works out how much of its cached drafting
-survived and rolls the rest back. It never needs to know the acceptance rule.
+A proposer holds sequences by id. On every call it is told, per sequence, only which tokens were
+committed since its last call; it works out how much of its cached drafting survived, rolls the
+rest back, and drafts. It never needs to know the acceptance rule. Calls are batched: one
+`propose` serves every active sequence of a round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +22,17 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # [k, V] q the tokens were sampled from; None when greedy
     pipeline_hit: bool = False  # prepared while the previous round was being verified
+
+
+@dataclass
+class ProposeItem:
+    seq_id: str
+    new_tokens: list[int]  # committed since the previous propose (or since start)
+    k: int
+
+
+class CapacityError(RuntimeError):
+    """No free sequence slot."""
 
 
 def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
@@ -36,69 +48,115 @@ class Proposer:
 
     max_length: int = 1 << 30  # longest sequence the proposer can hold
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         raise NotImplementedError
 
-    def propose(self, new_tokens: list[int], k: int) -> Draft:
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
         raise NotImplementedError
 
-    def release(self) -> None:
+    def release(self, seq_id: str) -> None:
         pass
 
 
+@dataclass
+class _Seq:
+    slot: int
+    params: SamplingParams
+    tokens: list[int]  # committed tokens
+    cached: list[int] = field(default_factory=list)  # tokens in the slot's KV cache (committed prefix + drafts)
+
+
 class DraftModelProposer(Proposer):
-    """Drafts with a small causal LM; q = warp(drafter logits) with the request's settings."""
+    """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings.
+    All sequences of a call advance together: one batched drafter pass per drafted position."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.tokens: list[int] = []  # committed tokens
-        self.cached: list[int] = []  # tokens in the runner's KV cache (committed prefix + drafts)
         self.max_length = runner.max_length
+        self.seqs: dict[str, _Seq] = {}
+        self.free = list(range(runner.slots - 1, -1, -1))
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if params.seed is None:
             raise ValueError("the proposer needs a fixed seed (SamplingParams.with_seed())")
-        self.params = params
-        self.tokens = list(prompt_ids)
-        self.cached = list(prompt_ids[:-1])
-        self.runner.prefill(self.cached)
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already started")
+        if not self.free:
+            raise CapacityError(f"all {self.runner.slots} drafter slots are in use")
+        seq = _Seq(self.free.pop(), params, list(prompt_ids), list(prompt_ids[:-1]))
+        self.runner.prefill(seq.cached, slot=seq.slot)
+        self.seqs[seq_id] = seq
 
-    def propose(self, new_tokens: list[int], k: int) -> Draft:
-        committed_before = len(self.tokens)
-        self.tokens.extend(new_tokens)
-        # Keep what agrees with the committed tokens (at least one token must be fed to get logits).
-        keep = min(common_prefix_len(self.cached, self.tokens, start=min(committed_before, len(self.cached))),
-                   len(self.tokens) - 1)
-        self.runner.rollback(len(self.cached) - keep)
-        # One token per forward, so the cache holds the same numbers whichever path led here
-        # (on demand or pipelined): q, and so sampled output, does not depend on timing.
-        for token in self.tokens[keep:]:
-            logits = self.runner.score([token], last_only=True)[-1]
-        self.cached = list(self.tokens)
-        return self._draft(logits, k)
+    def release(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.runner.release(seq.slot)
+            self.free.append(seq.slot)
 
-    def _draft(self, logits: torch.Tensor, k: int) -> Draft:
-        generator = request_generator(self.params.seed, "draft", len(self.tokens))
-        drafts, qs = [], []
-        for i in range(k):
-            if self.params.greedy:
-                x = int(logits.argmax())
-            else:
-                q = warp(logits, self.params)
-                x = sample(q, generator)
-                qs.append(q)
-            drafts.append(x)
-            if i < k - 1:
-                logits = self.runner.score([x])[-1]
-                self.cached.append(x)
-        return Draft(drafts, torch.stack(qs) if qs else None)
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        seqs = [self.seqs[item.seq_id] for item in items]
+        logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
+        return self._draft(seqs, logits, [item.k for item in items])
 
-    def most_likely_after(self, token: int) -> int:
-        """Feed one more (drafted) token and return the drafter's argmax after it."""
-        logits = self.runner.score([token], last_only=True)[-1]
-        self.cached.append(token)
-        return int(logits.argmax())
+    def _catch_up(self, updates: list[tuple[_Seq, list[int]]]) -> list[torch.Tensor]:
+        """Commit new tokens, roll each cache back to what agrees with them, feed the rest.
+        Returns each sequence's logits after its last committed token."""
+        todo = []
+        for seq, new_tokens in updates:
+            committed_before = len(seq.tokens)
+            seq.tokens.extend(new_tokens)
+            # keep what agrees with the committed tokens; at least one token is fed, for its logits
+            keep = min(common_prefix_len(seq.cached, seq.tokens, start=min(committed_before, len(seq.cached))),
+                       len(seq.tokens) - 1)
+            self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
+            todo.append(seq.tokens[keep:])
+            seq.cached = list(seq.tokens)
+        # One token per forward, so a cache holds the same numbers whichever path led to it (on
+        # demand or pipelined): q, and so sampled output, does not depend on timing.
+        logits: list[torch.Tensor | None] = [None] * len(updates)
+        for step in range(max(len(t) for t in todo)):
+            live = [i for i, t in enumerate(todo) if step < len(t)]
+            out = self.runner.score_batch([(updates[i][0].slot, [todo[i][step]]) for i in live], last_only=True)
+            for i, row in zip(live, out):
+                logits[i] = row[-1]
+        return logits
 
-    def release(self) -> None:
-        self.runner.release()
-        self.tokens, self.cached = [], []
+    def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]) -> list[Draft]:
+        generators = [request_generator(seq.params.seed, "draft", len(seq.tokens)) for seq in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(max(ks, default=0)):
+            live = [i for i, k in enumerate(ks) if step < k]
+            for i in live:
+                params = seqs[i].params
+                if params.greedy:
+                    x = int(logits[i].argmax())
+                else:
+                    q = warp(logits[i], params)
+                    x = sample(q, generators[i])
+                    qs[i].append(q)
+                drafts[i].append(x)
+            feed = [i for i in live if step < ks[i] - 1]
+            if feed:
+                out = self.runner.score_batch([(seqs[i].slot, [drafts[i][-1]]) for i in feed], last_only=True)
+                for i, row in zip(feed, out):
+                    logits[i] = row[-1]
+                    seqs[i].cached.append(drafts[i][-1])
+        return [Draft(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def guess_bonus(self, seq_ids: list[str], last_drafts: list[list[int]]) -> list[int]:
+        """Feed each sequence's last drafted token (one batched pass) and return the drafter's
+        argmax after it: its guess of the target's bonus token if every draft is accepted."""
+        seqs = [self.seqs[s] for s in seq_ids]
+        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
+        for seq, d in zip(seqs, last_drafts):
+            seq.cached.append(d[-1])
+        return [int(row[-1].argmax()) for row in out]
+
+    def uncommit(self, seq_id: str, length: int) -> None:
+        """Forget committed tokens past `length` (an assumed commit that did not happen); the cache
+        is rolled back on the next propose."""
+        del self.seqs[seq_id].tokens[length:]
+
+    def committed_length(self, seq_id: str) -> int:
+        return len(self.seqs[seq_id].tokens)

@@ -95,78 +95,99 @@ def _check_dir(path: str) -> None:
 
 
 class ModelRunner:
-    """Runs one causal LM over one sequence with a rollback-able KV cache."""
+    """Runs one causal LM over `slots` sequences, each with a rollback-able KV cache.
 
-    def __init__(self, model, tokenizer=None, name: str = "model", fast: bool = True):
+    Slot-taking methods default to slot 0, so single-sequence use reads naturally. `score_batch`
+    appends tokens to several slots in ONE forward pass (ragged lengths allowed) on the Llama
+    path; on the HF path it runs one pass per slot.
+    """
+
+    def __init__(self, model, tokenizer=None, name: str = "model", slots: int = 1, fast: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        self.slots = slots
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.cache: Cache | None = None  # HF path
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
-        self.fast = FastLlama(model) if fast and fast_llama_supports(model) else None
-        self.started = False
+        self.fast = FastLlama(model, slots=slots) if fast and fast_llama_supports(model) else None
+        self.caches: list[Cache | None] = [None] * slots  # HF path
+        self.started = [False] * slots
 
     @classmethod
-    def from_pretrained(cls, path: str, name: str = "model", dtype=torch.float32, device="cpu"):
+    def from_pretrained(cls, path: str, name: str = "model", dtype=torch.float32, device="cpu", slots: int = 1):
         _check_dir(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception as e:
             raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
-        return cls(model.to(device), load_tokenizer(path), name=name)
+        return cls(model.to(device), load_tokenizer(path), name=name, slots=slots)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def seq_length(self, slot: int = 0) -> int:
+        """Number of cached positions of a slot."""
+        if self.fast is not None:
+            return self.fast.lengths[slot]
+        cache = self.caches[slot]
+        return cache.get_seq_length() if cache is not None else 0
+
     @property
     def length(self) -> int:
-        """Number of cached positions."""
-        if self.fast is not None:
-            return self.fast.lengths[0]
-        return self.cache.get_seq_length() if self.cache is not None else 0
+        return self.seq_length(0)
 
     @property
     def max_length(self) -> int:
         cfg = self.model.config
         return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30))
 
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor | None:
-        """Start a sequence: a fresh cache holding `prompt_ids`. Returns the last position's logits."""
-        self.started = True
+    def prefill(self, prompt_ids: list[int], slot: int = 0) -> torch.Tensor | None:
+        """Start a sequence in `slot`: a fresh cache holding `prompt_ids`. Returns the last logits."""
+        self.started[slot] = True
         if self.fast is not None:
-            self.fast.reset()
+            self.fast.reset(slot)
         else:
-            self.cache = Cache(layer_class_to_replicate=PositionLayer)
+            self.caches[slot] = Cache(layer_class_to_replicate=PositionLayer)
         if not prompt_ids:
             return None
-        return self.score(prompt_ids, last_only=True)[-1]
+        return self.score(prompt_ids, slot=slot, last_only=True)[-1]
+
+    def score(self, tokens: list[int], slot: int = 0, last_only: bool = False) -> torch.Tensor:
+        """Append `tokens` to a slot's cache in ONE forward pass; logits [len(tokens), V] (float32)."""
+        return self.score_batch([(slot, tokens)], last_only=last_only)[0]
 
     @torch.inference_mode()
-    def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
-        """Append `tokens` to the cache in ONE forward pass; logits [len(tokens), V] (float32)."""
-        if not self.started:
-            raise RuntimeError("score() before prefill()")
-        if self.length + len(tokens) > self.max_length:
-            raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
+    def score_batch(self, batch: list[tuple[int, list[int]]], last_only: bool = False) -> list[torch.Tensor]:
+        """[(slot, tokens), ...] -> per entry logits [len(tokens), V] (or [1, V] with last_only)."""
+        for slot, tokens in batch:
+            if not self.started[slot]:
+                raise RuntimeError(f"{self.name}: score() on slot {slot} before prefill()")
+            if not tokens:
+                raise ValueError(f"{self.name}: nothing to score in slot {slot}")
+            if self.seq_length(slot) + len(tokens) > self.max_length:
+                raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
         if self.fast is not None:
-            return self.fast.forward([list(tokens)], [0], last_only=last_only)[0]
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
-        return out.logits[0].float()
+            return self.fast.forward([list(t) for _, t in batch], [slot for slot, _ in batch], last_only=last_only)
+        out = []
+        for slot, tokens in batch:
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, cache=self.caches[slot], use_cache=True,
+                                logits_to_keep=1 if last_only else 0).logits
+            out.append(logits[0].float())
+        return out
 
-    def rollback(self, n: int) -> None:
-        """Forget the last n cached positions. O(1): only lengths move."""
-        if n < 0 or n > self.length:
-            raise ValueError(f"cannot roll back {n} of {self.length} cached positions")
+    def rollback(self, n: int, slot: int = 0) -> None:
+        """Forget the last n cached positions of a slot. O(1): only a length moves."""
+        if n < 0 or n > self.seq_length(slot):
+            raise ValueError(f"cannot roll back {n} of {self.seq_length(slot)} cached positions")
         if n and self.fast is not None:
-            self.fast.rollback(n)
+            self.fast.rollback(n, slot)
         elif n:
-            self.cache.crop(-n)
+            self.caches[slot].crop(-n)
 
-    def release(self) -> None:
-        self.cache = None
-        self.started = False
+    def release(self, slot: int = 0) -> None:
+        self.caches[slot] = None
+        self.started[slot] = False
         if self.fast is not None:
-            self.fast.reset()
+            self.fast.reset(slot)

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from drafter_service.pipeline import PipelinedProposer
-from drafter_service.proposer import DraftModelProposer
+from drafter_service.proposer import CapacityError, DraftModelProposer, ProposeItem
 from drafter_service.runner import ModelRunner
 from drafter_service.sampling import SamplingParams
 from proto import speculative_pb2 as pb
@@ -55,25 +55,22 @@ def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, model, pipeline: bool = True, max_sequences: int = 256):
-        self.model = model.eval()
+    def __init__(self, model, pipeline: bool = True, max_sequences: int = 64):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.max_length = ModelRunner(model).max_length
+        self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences))
+        self.proposer = PipelinedProposer(self.inner) if pipeline else self.inner
+        self.max_length = self.inner.max_length
         self.pipeline = pipeline
         self.max_sequences = max_sequences
-        self.seqs: dict[str, PipelinedProposer | DraftModelProposer] = {}
         self.versions: dict[str, int] = {}  # bumps on every Propose: stale speculation is skipped
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # all model work and sequence state, one thread at a time
         self.background = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculate")
-        self.hits_released = self.misses_released = 0
+
+    @property
+    def live_sequences(self) -> int:
+        return len(self.inner.seqs)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _get(self, seq_id: str):
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown sequence id {seq_id!r}")
-        return seq
-
     def _check_tokens(self, tokens, what: str) -> list[int]:
         tokens = list(tokens)
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -87,6 +84,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             return fn()
         except RequestError as e:
             context.abort(e.code, str(e))
+        except CapacityError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -99,7 +98,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         for item in request.items:  # validate everything before touching state
             if not item.seq_id:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
-            if item.seq_id in self.seqs:
+            if item.seq_id in self.inner.seqs:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"sequence {item.seq_id!r} already started")
             prompt = self._check_tokens(item.prompt_ids, "prompt_ids")
             if not prompt:
@@ -108,78 +107,67 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"prompt of {len(prompt)} tokens exceeds the "
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
-        if len(self.seqs) + len(items) > self.max_sequences:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the drafter holds {len(self.seqs)} sequences (max {self.max_sequences})")
         with self.lock:
+            if self.live_sequences + len(items) > self.max_sequences:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"the drafter holds {self.live_sequences} sequences (max {self.max_sequences})")
             for seq_id, prompt, params in items:
-                proposer = DraftModelProposer(ModelRunner(self.model, name="drafter"))
-                seq = PipelinedProposer(proposer) if self.pipeline else proposer
-                seq.start(prompt, params)
-                self.seqs[seq_id] = seq
+                self.proposer.start(seq_id, prompt, params)
                 self.versions[seq_id] = 0
-        return pb.StartReply(live_sequences=len(self.seqs))
+            return pb.StartReply(live_sequences=self.live_sequences)
 
     def Propose(self, request, context):
         return self._handle(context, lambda: self._propose(request))
 
     def _propose(self, request):
-        work = []
-        for item in request.items:
-            seq = self._get(item.seq_id)
-            if not 1 <= item.k <= MAX_K:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {item.k}")
-            work.append((item, seq, self._check_tokens(item.new_tokens, "new_tokens")))
-        drafts = []
         with self.lock:
-            for item, seq, new_tokens in work:
-                inner = seq.inner if self.pipeline else seq
-                if len(inner.tokens) + len(new_tokens) + item.k > self.max_length:
+            items = []
+            for item in request.items:
+                seq = self.inner.seqs.get(item.seq_id)
+                if seq is None:
+                    raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown sequence id {item.seq_id!r}")
+                if not 1 <= item.k <= MAX_K:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {item.k}")
+                new_tokens = self._check_tokens(item.new_tokens, "new_tokens")
+                if len(seq.tokens) + len(new_tokens) + item.k > self.max_length:
                     raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
-                draft = seq.propose(new_tokens, item.k)
+                items.append(ProposeItem(item.seq_id, new_tokens, item.k))
+            drafts = self.proposer.propose(items)
+            for item in items:
                 self.versions[item.seq_id] += 1
-                drafts.append(pb.Draft(seq_id=item.seq_id, round=item.round, tokens=draft.tokens,
-                                       q=[q_to_proto(q) for q in draft.probs] if draft.probs is not None else [],
-                                       pipeline_hit=draft.pipeline_hit))
+            versions = {item.seq_id: self.versions[item.seq_id] for item in items}
         if self.pipeline:
-            for item, _, _ in work:
-                self.background.submit(self._speculate, item.seq_id, self.versions[item.seq_id], item.k)
-        return pb.ProposeReply(drafts=drafts)
+            self.background.submit(self._speculate, versions)
+        return pb.ProposeReply(drafts=[
+            pb.Draft(seq_id=item.seq_id, round=req.round, tokens=d.tokens, pipeline_hit=d.pipeline_hit,
+                     q=[q_to_proto(q) for q in d.probs] if d.probs is not None else [])
+            for item, req, d in zip(items, request.items, drafts)])
 
-    def _speculate(self, seq_id: str, version: int, k: int) -> None:
+    def _speculate(self, versions: dict[str, int]) -> None:
         with self.lock:
-            seq = self.seqs.get(seq_id)
-            if seq is None or self.versions.get(seq_id) != version:
-                return  # released, or the verifier already came back: nothing to hide
-            if len(seq.inner.tokens) + 2 * k + 1 > self.max_length:
-                return
-            seq.speculate(k)
+            # skip sequences released since, or whose verifier already came back: nothing to hide
+            self.proposer.speculate([s for s, v in versions.items() if self.versions.get(s) == v])
 
     def Release(self, request, context):
         with self.lock:
             for seq_id in request.seq_ids:
-                seq = self.seqs.pop(seq_id, None)
+                self.proposer.release(seq_id)
                 self.versions.pop(seq_id, None)
-                if seq is not None:
-                    if self.pipeline:
-                        self.hits_released += seq.hits
-                        self.misses_released += seq.misses
-                    seq.release()
-            return pb.ReleaseReply(live_sequences=len(self.seqs))
+            return pb.ReleaseReply(live_sequences=self.live_sequences)
 
     def Info(self, request, context):
         with self.lock:
-            live = list(self.seqs.values()) if self.pipeline else []
-            return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length, live_sequences=len(self.seqs),
-                                pipeline=self.pipeline,
-                                pipeline_hits=self.hits_released + sum(s.hits for s in live),
-                                pipeline_misses=self.misses_released + sum(s.misses for s in live))
+            return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length,
+                                live_sequences=self.live_sequences, pipeline=self.pipeline,
+                                pipeline_hits=getattr(self.proposer, "hits", 0),
+                                pipeline_misses=getattr(self.proposer, "misses", 0))
 
 
-def serve(model, host: str = "0.0.0.0", port: int = 0, pipeline: bool = True, max_workers: int = 8):
+def serve(model, host: str = "0.0.0.0", port: int = 0, pipeline: bool = True, max_sequences: int = 64,
+          max_workers: int = 8):
     """Starts the gRPC server; returns (server, bound_port, servicer)."""
-    servicer = DrafterServicer(model, pipeline=pipeline)
+    servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])

@@ -68,7 +68,7 @@ def small_vocab_pair(tmp_path_factory):
 def test_sampling_reproducible_and_distributed_as_target(ray_session, small_vocab_pair):
     target, drafter = small_vocab_pair
     params = dict(temperature=1.2, top_k=6)
-    pair = SpeculativePair(target, drafter, pipeline=True, cpus_per_actor=1)
+    pair = SpeculativePair(target, drafter, pipeline=True, cpus_per_actor=1, max_waiting=2000)
     try:
         a = pair.generate([1, 2], 40, SamplingParams(seed=7, **params), k=3)
         b = pair.generate([1, 2], 40, SamplingParams(seed=7, **params), k=3)
@@ -104,14 +104,14 @@ def test_release_after_end_and_cancel(ray_session, pairs):
     try:
         pair.generate([5, 6, 7], 20, SamplingParams(), k=4)
         assert ray.get(pair.drafter.live_sequences.remote()) == 0
-        assert ray.get(pair.verifier.target_length.remote()) == 0
+        assert pair.load()["free_slots"] == pair.load()["max_num_seqs"]
         ref = pair.submit([5, 6, 7], 500, SamplingParams(temperature=0.8, seed=1), k=4, request_id="long")
         time.sleep(0.5)
         pair.cancel("long")
         result = pair.result(ref)
         assert result.finish_reason == "cancelled" and len(result.token_ids) < 500
         assert ray.get(pair.drafter.live_sequences.remote()) == 0
-        assert ray.get(pair.verifier.target_length.remote()) == 0
+        assert pair.load()["free_slots"] == pair.load()["max_num_seqs"]
         # a bad request is an error for that request only
         with pytest.raises(ValueError):
             pair.generate([5] * 600, 10, SamplingParams(), k=4)

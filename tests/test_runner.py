@@ -37,7 +37,7 @@ def test_rollback_moves_a_length_not_data():
     hf = ModelRunner(tiny_model("gpt2", 64, seed=0))
     assert hf.fast is None
     hf.prefill(list(range(50)))
-    layer = hf.cache.layers[0]
+    layer = hf.caches[0].layers[0]
     assert isinstance(layer, PositionLayer)
     ptr = layer._k.data_ptr()
     hf.score([1, 2, 3, 4])
@@ -77,7 +77,7 @@ def test_fast_llama_batched_ragged_slots_match_single():
 def test_after_rejected_round_caches_hold_the_accepted_prefix():
     target, drafter = tiny_model("llama", 64, seed=1), tiny_model("llama", 64, seed=2)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)), eos_ids=set())
-    engine.target.release = lambda: None  # keep the cache to inspect it after generate()
+    engine.target.release = lambda slot=0: None  # keep the cache to inspect it after generate()
     r = engine.generate([3, 4, 5], 6, SamplingParams(), k=4)
     assert r.stats.num_accepted_tokens < r.stats.num_draft_tokens  # some round was rejected
     # the target holds prompt + all written tokens but the last one

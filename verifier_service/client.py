@@ -6,12 +6,10 @@ same draft -> verify -> accept rounds, with each draft fetched over gRPC (with a
 
 from __future__ import annotations
 
-import uuid
-
 import grpc
 import torch
 
-from drafter_service.proposer import Draft, Proposer
+from drafter_service.proposer import Draft, ProposeItem, Proposer
 from drafter_service.sampling import SamplingParams
 from drafter_service.server import q_from_proto
 from proto import speculative_pb2 as pb
@@ -40,37 +38,36 @@ class DrafterClient:
 
 
 class RemoteProposer(Proposer):
-    """Proposes through a DrafterClient, one sequence at a time."""
+    """Proposes through a DrafterClient: one Propose call per round for every active sequence."""
 
     def __init__(self, client: DrafterClient):
         self.client = client
         self.vocab_size = client.info.vocab_size
         self.max_length = client.info.max_length
-        self.seq_id: str | None = None
-        self.round = 0
+        self.rounds: dict[str, int] = {}
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.seq_id = uuid.uuid4().hex
-        self.round = 0
+    def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         sampling = pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                seed=params.seed)
-        self.client.call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=self.seq_id, prompt_ids=prompt_ids,
+        self.client.call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=seq_id, prompt_ids=prompt_ids,
                                                                       sampling=sampling)]))
+        self.rounds[seq_id] = 0
 
-    def propose(self, new_tokens: list[int], k: int) -> Draft:
-        self.round += 1
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        for item in items:
+            self.rounds[item.seq_id] += 1
         reply = self.client.call("Propose", pb.ProposeRequest(items=[pb.ProposeItem(
-            seq_id=self.seq_id, round=self.round, new_tokens=new_tokens, k=k)]))
-        d = reply.drafts[0]
-        if d.seq_id != self.seq_id or d.round != self.round or len(d.tokens) != k:
-            raise RuntimeError(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
-                               f"to ({self.seq_id}, round {self.round}, k={k})")
-        probs = None
-        if d.q:
-            probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q])
-        return Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit)
+            seq_id=item.seq_id, round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k)
+            for item in items]))
+        drafts = []
+        for item, d in zip(items, reply.drafts, strict=True):
+            if d.seq_id != item.seq_id or d.round != self.rounds[item.seq_id] or len(d.tokens) != item.k:
+                raise RuntimeError(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
+                                   f"to ({item.seq_id}, round {self.rounds[item.seq_id]}, k={item.k})")
+            probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
+            drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit))
+        return drafts
 
-    def release(self) -> None:
-        if self.seq_id is not None:
-            self.client.call("Release", pb.ReleaseRequest(seq_ids=[self.seq_id]))
-            self.seq_id = None
+    def release(self, seq_id: str) -> None:
+        if self.rounds.pop(seq_id, None) is not None:
+            self.client.call("Release", pb.ReleaseRequest(seq_ids=[seq_id]))

@@ -1,21 +1,27 @@
-"""The draft -> verify -> accept loop, in one process. Reads top to bottom:
+"""The draft -> verify -> accept loop, with continuous batching. Reads top to bottom:
 
-    prefill target and drafter
-    each round:  draft k tokens  ->  score k+1 positions in ONE target pass  ->  accept
-                 ->  roll the target back to the accepted prefix (the drafter rolls itself back
-                     on its next call, from the tokens it is told were committed)
+    each round (`step`):
+        admit at most one waiting request (prefill its target slot; the drafter prefills too)
+        draft k tokens for every running sequence       (ONE batched proposer call)
+        score k+1 positions of every running sequence   (ONE batched target pass)
+        per sequence: accept, roll its target slot back to the accepted prefix, emit, stop
+        (the drafter rolls itself back on its next call, from the tokens it is told were committed)
 
-The target's cache always holds every committed token but the last ("pending") one, so a
-round scores [pending, d_1 .. d_k] and gets the k+1 distributions it needs in one pass.
-k = 0 (or no proposer) is plain target decoding through the same runner and loop.
+A target slot always holds every committed token but the last ("pending") one, so a round scores
+[pending, d_1 .. d_k] and gets the k+1 distributions it needs. Sequences join and leave between
+rounds; k = 0 (or no proposer) is plain decoding through the same loop, so baselines share it.
+`generate` is one request through this loop; `submit` + a background `start()`ed loop serves many.
 """
 
 from __future__ import annotations
 
+import threading
+import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from drafter_service.proposer import Draft, DraftModelProposer, Proposer
+from drafter_service.proposer import Draft, DraftModelProposer, ProposeItem, Proposer
 from drafter_service.runner import ModelRunner
 from drafter_service.sampling import SamplingParams, request_generator, warp
 from verifier_service.acceptance import accept
@@ -64,7 +70,7 @@ class SpecStats:
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop token), "length", or "cancelled"
+    finish_reason: str  # "stop" (EOS or a stop token), "length", "cancelled" (or "error")
     stats: SpecStats
 
 
@@ -99,61 +105,206 @@ def truncate_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], 
     return tokens, False
 
 
-class SpeculativeEngine:
-    """A target runner plus an optional proposer, generating one request at a time."""
+class Overloaded(RuntimeError):
+    """The waiting queue is full: the request is refused (HTTP 503)."""
 
-    def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None):
+
+@dataclass(eq=False)
+class Request:
+    """One sequence's state in the loop."""
+
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    k: int
+    stop_ids: set[int]
+    on_tokens: Callable[[list[int]], bool] | None = None
+    slot: int = -1
+    pending: int = -1  # the last committed token, not yet in the target's cache
+    unsent: list[int] = field(default_factory=list)  # committed tokens the drafter has not been told
+    out: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def result(self) -> GenerationResult:
+        if self.error is not None:
+            raise self.error
+        return GenerationResult(self.out, self.finish_reason, self.stats)
+
+
+class SpeculativeEngine:
+    """A target runner with `max_num_seqs` slots plus an optional proposer."""
+
+    def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 256):
         self.target = target
         self.proposer = proposer
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
-        self.max_length = target.max_length
-        if proposer is not None:
-            self.max_length = min(self.max_length, proposer.max_length)
+        self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)
+        self.max_length = min(target.max_length, proposer.max_length if proposer else 1 << 30,
+                              max_model_len or 1 << 30)
+        self.max_waiting = max_waiting
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Lock()  # guards waiting, running's membership and cancel flags
+        self.step_lock = threading.Lock()  # one thread runs rounds at a time
+        self.work = threading.Condition(self.lock)
+        self.loop: threading.Thread | None = None
+        self.stopping = False
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None,
+               request_id: str | None = None) -> Request:
+        """Queues a request (ValueError if it cannot run, Overloaded if the queue is full)."""
+        k = k if self.proposer is not None else 0
+        check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
+        params = sampling.with_seed()
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
+                      self.eos_ids | set(params.stop_token_ids), on_tokens)
+        with self.lock:
+            if len(self.waiting) >= self.max_waiting:
+                raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
+                                 f"requests (queue bound {self.max_waiting}); retry later")
+            self.waiting.append(req)
+            self.work.notify()
+        return req
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
-        """on_tokens, if given, receives each round's written tokens; returning False cancels the
-        request (finish_reason "cancelled"). Both caches are released however the request ends."""
-        if self.proposer is None:
-            k = 0
-        check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
-        params = sampling.with_seed()
-        stop_ids = self.eos_ids | set(params.stop_token_ids)
-        stats = SpecStats()
-        out: list[int] = []
-        pending, unsent = prompt_ids[-1], []  # unsent: committed tokens the drafter has not been told
-        try:
-            self.target.prefill(prompt_ids[:-1])
-            if k:
-                self.proposer.start(prompt_ids, params)
-            while True:
-                kk = min(k, max_new_tokens - len(out) - 1)  # never overshoot max_new_tokens
-                draft = self.proposer.propose(unsent, kk) if kk else Draft([], None)
-                unsent = [] if kk else unsent
-                num_accepted, next_token = self.verify(pending, draft, params, len(prompt_ids) + len(out))
-                stats.record(kk, num_accepted)
-                stats.num_pipeline_hits += draft.pipeline_hit
-                emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], stop_ids)
-                out += emitted
-                unsent += emitted
-                wanted = on_tokens is None or on_tokens(emitted) is not False
-                if stopped or len(out) >= max_new_tokens:
-                    return GenerationResult(out, "stop" if stopped else "length", stats)
-                if not wanted:
-                    return GenerationResult(out, "cancelled", stats)
-                pending = next_token
-        finally:
-            self.target.release()
-            if k:
-                self.proposer.release()
+        """One request, start to end. on_tokens, if given, receives each round's written tokens;
+        returning False cancels the request (finish_reason "cancelled")."""
+        req = self.submit(prompt_ids, max_new_tokens, sampling, k, on_tokens)
+        if self.loop is None:
+            with self.step_lock:
+                while not req.done.is_set():
+                    self.step()
+        req.done.wait()
+        return req.result()
 
-    def verify(self, pending: int, draft: Draft, params: SamplingParams, position: int) -> tuple[int, int]:
-        """Score [pending] + drafts in one target pass, accept, roll the target back."""
-        p = warp(self.target.score([pending] + draft.tokens), params)
-        num_accepted, next_token = accept(draft.tokens, draft.probs, p,
-                                          request_generator(params.seed, "verify", position))
-        self.target.rollback(len(draft.tokens) - num_accepted)
-        return num_accepted, next_token
+    def cancel(self, request_id: str) -> bool:
+        """Ends a waiting or running request before the next round; its slots are freed."""
+        with self.lock:
+            for req in list(self.waiting) + self.running:
+                if req.id == request_id:
+                    req.cancelled = True
+                    self.work.notify()
+                    return True
+        return False
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---------------------------------------------------------------- the loop
+    def start(self) -> None:
+        """Runs rounds on a background thread whenever there is work."""
+        if self.loop is None:
+            self.loop = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self.loop.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.work.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopping and not self.waiting and not self.running:
+                    self.work.wait()
+                if self.stopping:
+                    return
+            with self.step_lock:
+                self.step()
+
+    def step(self) -> None:
+        """One round for every running sequence."""
+        with self.lock:
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                req.finish_reason = "cancelled"
+                req.done.set()
+            for req in [r for r in self.running if r.cancelled]:
+                self._finish(req, "cancelled")
+            # one prefill per round, so a joining sequence stalls the running ones for at most one
+            # prefill; with nothing running there is nobody to stall, and every free slot fills
+            n = len(self.free_slots) if not self.running else 1
+            admit = [self.waiting.popleft() for _ in range(min(n, len(self.waiting), len(self.free_slots)))]
+        for req in admit:
+            self._admit(req)
+        running = list(self.running)
+        if not running:
+            return
+        try:
+            self._round(running)
+        except Exception as e:  # a failed round fails its requests, never the loop
+            for req in running:
+                if not req.done.is_set():
+                    req.error = e
+                    self._finish(req, "error")
+
+    def _admit(self, req: Request) -> None:
+        req.slot = self.free_slots.pop()
+        self.running.append(req)
+        try:
+            self.target.prefill(req.prompt_ids[:-1], slot=req.slot)
+            if req.k:
+                self.proposer.start(req.id, req.prompt_ids, req.params)
+            req.pending = req.prompt_ids[-1]
+        except Exception as e:
+            req.error = e
+            self._finish(req, "error")
+
+    def _round(self, running: list[Request]) -> None:
+        ks = [min(r.k, r.max_new_tokens - len(r.out) - 1) for r in running]  # never overshoot
+        drafts = [Draft([], None)] * len(running)
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        if drafting:
+            proposed = self.proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i]) for i in drafting])
+            for i, draft in zip(drafting, proposed):
+                drafts[i] = draft
+                running[i].unsent = []
+        logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
+        for req, draft, lg, k in zip(running, drafts, logits, ks):
+            position = len(req.prompt_ids) + len(req.out)
+            num_accepted, next_token = accept(draft.tokens, draft.probs, warp(lg, req.params),
+                                              request_generator(req.params.seed, "verify", position))
+            self.target.rollback(k - num_accepted, slot=req.slot)
+            req.stats.record(k, num_accepted)
+            req.stats.num_pipeline_hits += draft.pipeline_hit
+            emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
+            req.out += emitted
+            req.unsent += emitted
+            req.pending = next_token
+            wanted = req.on_tokens is None or req.on_tokens(emitted) is not False
+            if stopped or len(req.out) >= req.max_new_tokens:
+                self._finish(req, "stop" if stopped else "length")
+            elif not wanted:
+                self._finish(req, "cancelled")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Frees the request's slots on both sides and wakes its waiter."""
+        if req in self.running:
+            self.running.remove(req)
+            self.target.release(req.slot)
+            self.free_slots.append(req.slot)
+            if req.k:
+                try:
+                    self.proposer.release(req.id)
+                except Exception as e:  # the drafter is gone; its state went with it
+                    req.error = req.error or e
+        req.finish_reason = reason
+        req.done.set()
 
 
 def same_tokenizer(a, b) -> bool:
@@ -161,14 +312,14 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
 
 
-def load_engine(target_path: str, drafter_path: str | None, **runner_kwargs) -> SpeculativeEngine:
+def load_engine(target_path: str, drafter_path: str | None, max_num_seqs: int = 1, **engine_kwargs) -> SpeculativeEngine:
     """Loads a target (and drafter) from local HF folders; raises ModelLoadError or ValueError."""
-    target = ModelRunner.from_pretrained(target_path, name="target", **runner_kwargs)
+    target = ModelRunner.from_pretrained(target_path, name="target", slots=max_num_seqs)
     proposer = None
     if drafter_path is not None:
-        drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", **runner_kwargs)
+        drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=max_num_seqs)
         if not same_tokenizer(target.tokenizer, drafter.tokenizer):
             raise ValueError(f"the drafter's tokenizer ({drafter_path}) differs from the target's ({target_path}); "
                              "speculative decoding needs one shared vocabulary")
         proposer = DraftModelProposer(drafter)
-    return SpeculativeEngine(target, proposer)
+    return SpeculativeEngine(target, proposer, max_num_seqs=max_num_seqs, **engine_kwargs)
