@@ -118,6 +118,71 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def load_app_args(path: str | None) -> dict:
+    """App args from a Serve config file (applications[0].args) or a plain YAML mapping of args."""
+    if path is None:
+        return {}
+    import yaml
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise CLIError(f"cannot read config {path!r}: {e}") from None
+    if isinstance(doc, dict) and "applications" in doc:
+        apps = doc["applications"] or [{}]
+        doc = apps[0].get("args") or {}
+    if not isinstance(doc, dict):
+        raise CLIError(f"config {path!r} must be a mapping of app args or a Serve config")
+    return doc
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from cluster.serve_app import AppConfig, build_app
+    app_args = load_app_args(args.config)
+    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs"):
+        if getattr(args, key) is not None:
+            app_args[key] = getattr(args, key)
+    if args.no_speculation:
+        app_args["drafter"] = None
+    try:
+        cfg = AppConfig.from_args(app_args)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    from drafter_service.runner import ModelLoadError, load_tokenizer
+    from verifier_service.engine import same_tokenizer
+    try:  # fail fast, here, on a wrong path or a mismatched pair
+        tok = load_tokenizer(cfg.target)
+        if cfg.drafter and not same_tokenizer(tok, load_tokenizer(cfg.drafter)):
+            raise CLIError(f"the drafter's tokenizer ({cfg.drafter}) differs from the target's ({cfg.target})")
+    except ModelLoadError as e:
+        raise CLIError(str(e)) from None
+    import ray
+    from ray import serve
+
+    from cluster.pair import ensure_ray
+    ensure_ray()
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
+    url = f"http://{'localhost' if args.host in ('0.0.0.0', '127.0.0.1') else args.host}:{args.port}"
+    print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
+          f"\"temperature\": 0}}'\n", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    print("shutting down", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
 def cmd_make_tiny_pair(args) -> int:
     from cluster.tiny import make_tiny_pair
     target, drafter = make_tiny_pair(args.out, seed=args.seed)
@@ -142,6 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
+    s.add_argument("--config", help="a Serve config file (its first application's args) or a YAML of app args")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--target", default=None)
+    s.add_argument("--drafter", default=None)
+    s.add_argument("-k", type=int, default=None)
+    s.add_argument("--num-pairs", dest="num_pairs", type=int, default=None)
+    s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
+    s.add_argument("--no-speculation", action="store_true")
+    s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("make-tiny-pair", help="write a tiny random target/drafter pair (for trying things out)")
     t.add_argument("out")

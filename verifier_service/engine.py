@@ -120,6 +120,7 @@ class Request:
     k: int
     stop_ids: set[int]
     on_tokens: Callable[[list[int]], bool] | None = None
+    on_finish: Callable[["Request"], None] | None = None  # called once, from the loop, when done
     slot: int = -1
     pending: int = -1  # the last committed token, not yet in the target's cache
     unsent: list[int] = field(default_factory=list)  # committed tokens the drafter has not been told
@@ -160,15 +161,17 @@ class SpeculativeEngine:
     # ---------------------------------------------------------------- requests
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None,
-               request_id: str | None = None) -> Request:
-        """Queues a request (ValueError if it cannot run, Overloaded if the queue is full)."""
+               request_id: str | None = None, on_finish: Callable[[Request], None] | None = None,
+               ignore_eos: bool = False) -> Request:
+        """Queues a request (ValueError if it cannot run, Overloaded if the queue is full).
+        ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension)."""
         k = k if self.proposer is not None else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
-                      self.eos_ids | set(params.stop_token_ids), on_tokens)
+                      (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish)
         with self.lock:
-            if len(self.waiting) >= self.max_waiting:
+            if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
                                  f"requests (queue bound {self.max_waiting}); retry later")
             self.waiting.append(req)
@@ -232,8 +235,7 @@ class SpeculativeEngine:
         with self.lock:
             for req in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(req)
-                req.finish_reason = "cancelled"
-                req.done.set()
+                self._finish(req, "cancelled")
             for req in [r for r in self.running if r.cancelled]:
                 self._finish(req, "cancelled")
             # one prefill per round, so a joining sequence stalls the running ones for at most one
@@ -305,6 +307,8 @@ class SpeculativeEngine:
                     req.error = req.error or e
         req.finish_reason = reason
         req.done.set()
+        if req.on_finish is not None:
+            req.on_finish(req)
 
 
 def same_tokenizer(a, b) -> bool:

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the HTTP endpoint, in vLLM's spec-decode vocabulary."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.num_drafts = Counter("specserve_spec_decode_num_drafts", "Draft rounds", registry=r)
+        self.num_draft_tokens = Counter("specserve_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
+        self.num_accepted_tokens = Counter("specserve_spec_decode_num_accepted_tokens", "Accepted drafted tokens",
+                                           registry=r)
+        self.accepted_per_pos = Counter("specserve_spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted drafted tokens by draft position", ["position"], registry=r)
+        self.pipeline_hits = Counter("specserve_pipeline_hits", "Rounds whose draft was prepared by pipelining",
+                                     registry=r)
+        self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
+        self.waiting = Gauge("specserve_num_requests_waiting", "Sequences queued for a slot", registry=r)
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("specserve_inter_token_latency_seconds", "Time between output tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+
+    def timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def finished(self, finish_reason: str, seconds: float, usage: dict, stats: dict) -> None:
+        self.requests.labels(finish_reason).inc()
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.generation_tokens.inc(usage["completion_tokens"])
+        self.num_drafts.inc(stats.get("num_drafts", 0))
+        self.num_draft_tokens.inc(stats.get("num_draft_tokens", 0))
+        self.num_accepted_tokens.inc(stats.get("num_accepted_tokens", 0))
+        for pos, n in enumerate(stats.get("num_accepted_tokens_per_pos", [])):
+            self.accepted_per_pos.labels(str(pos)).inc(n)
+        self.pipeline_hits.inc(stats.get("num_pipeline_hits", 0))
+
+    def render(self, loads: list[dict]) -> bytes:
+        self.running.set(sum(x["running"] for x in loads))
+        self.waiting.set(sum(x["waiting"] for x in loads))
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies: time to first token, then the gap before each later chunk, shared
+    evenly by the chunk's tokens (speculation writes several tokens at once)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            for _ in range(n):
+                self.metrics.itl.observe((now - self.last) / n)
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start

@@ -1,0 +1,214 @@
+"""The OpenAI completions protocol: request validation, incremental detokenization with stop
+strings, and response/error shapes. Pure functions and small classes, no Ray or HTTP here."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style JSON body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
+                              503: "overloaded_error"}.get(status, "server_error")
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    speculative: bool = True
+    k: int | None = None  # None: the deployment's k
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+
+
+def parse_completion(body, default_model: str) -> CompletionRequest:
+    """Validates a /v1/completions body; raises APIError(400) with the offending param."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model", "missing_required_parameter")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("'prompt' is empty", "prompt")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise _bad("'prompt' is empty", "prompt")
+        if not all(_is_int(t) and t >= 0 for t in prompt):
+            raise _bad("'prompt' must be a string or a list of non-negative token ids (one prompt per request)",
+                       "prompt")
+    else:
+        raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
+    req = CompletionRequest(model=model, prompt=prompt)
+    req.max_tokens = _get(body, "max_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
+    req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v >= 0, "a number >= 0"))
+    req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)")
+    req.top_k = max(top_k, 0)
+    req.seed = _get(body, "seed", None, _is_int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2^63)")
+    req.stream = _get(body, "stream", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
+    req.ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
+    n = _get(body, "n", 1, _is_int, lambda v: True, "an integer")
+    if n != 1:
+        raise _bad("only n = 1 is supported", "n", "unsupported_value")
+    stop = body.get("stop")
+    if stop is None:
+        req.stop = []
+    elif isinstance(stop, str):
+        req.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        req.stop = [s for s in stop if s]
+    else:
+        raise _bad("'stop' must be a string or a list of at most 16 strings", "stop")
+    spec = body.get("speculative")
+    if spec is not None:
+        if not isinstance(spec, dict) or set(spec) - {"enabled", "k"}:
+            raise _bad("'speculative' must be an object with optional 'enabled' (bool) and 'k' (int)", "speculative")
+        enabled = spec.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise _bad("'speculative.enabled' must be a boolean", "speculative.enabled")
+        req.speculative = enabled
+        k = spec.get("k")
+        if k is not None and not (_is_int(k) and 0 <= k <= 16):
+            raise _bad("'speculative.k' must be an integer in [0, 16]", "speculative.k")
+        req.k = k
+    return req
+
+
+def _get(body: dict, name: str, default, type_ok, value_ok, what: str):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not type_ok(v) or not value_ok(v):
+        raise _bad(f"'{name}' must be {what}, got {v!r}", name)
+    return v
+
+
+def chat_prompt(body, tokenizer) -> str:
+    """The prompt text of a /v1/chat/completions body, through the tokenizer's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", code="chat_template_missing")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _bad("'messages' must be a non-empty list of {role, content} objects with string content", "messages")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes the whole list each time (so BPE merges and multi-byte characters come out exactly as
+    a one-shot decode would), holds back an incomplete UTF-8 character ('\\ufffd' at the end), and
+    holds back any tail that could still become a stop string. The concatenated deltas equal the
+    final text, and a stop string is never emitted.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already emitted
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """New delta after token_ids; sets .stopped when a stop string appears."""
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s)))
+            if i != -1:
+                text = text[:i]
+                self.stopped = True
+        self.text = text
+        end = len(text)
+        if not self.stopped:
+            if text.endswith("\ufffd"):
+                end -= 1
+            for s in self.stop:  # hold back a tail that is a prefix of a stop string
+                for n in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if text[end - n:end] == s[:n]:
+                        end -= n
+                        break
+        delta = text[self.sent:max(end, self.sent)]
+        self.sent += len(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (a trailing partial stop string is real text)."""
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def completion_chunk(cid: str, model: str, text: str, finish_reason: str | None, chat: bool = False) -> dict:
+    if chat:
+        delta = {"content": text} if text else {}
+        return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def completion_response(cid: str, model: str, text: str, finish_reason: str, usage: dict, speculative: dict,
+                        chat: bool = False) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage, "speculative": speculative}
+
+
+def speculative_block(enabled: bool, k: int, stats: dict) -> dict:
+    """This request's speculation figures, in vLLM's metric names."""
+    return {"enabled": enabled, "k": k, "num_drafts": stats.get("num_drafts", 0),
+            "num_draft_tokens": stats.get("num_draft_tokens", 0),
+            "num_accepted_tokens": stats.get("num_accepted_tokens", 0),
+            "acceptance_rate": stats.get("acceptance_rate", 0.0),
+            "mean_acceptance_length": stats.get("mean_acceptance_length", 1.0),
+            "num_pipeline_hits": stats.get("num_pipeline_hits", 0)}

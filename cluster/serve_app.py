@@ -1,0 +1,313 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP ingress and speculative-pair replicas.
+
+`build_app(args)` takes a plain config (Ray Serve LLM style) and returns the application, so the
+same config runs under `serve run`, `specserve serve` and a KubeRay RayService:
+
+    applications:
+      - name: specserve
+        route_prefix: /
+        import_path: cluster.serve_app:build_app
+        args: {target: /models/target, drafter: /models/drafter, k: 4, num_pairs: 1}
+
+Deployments:
+- `OpenAIIngress` (CPU only): HTTP, tokenization, the OpenAI schema, streaming, metrics.
+- `SpeculativePair`: each replica is a verifier. It reserves two placement-group bundles (one GPU
+  each on GPU clusters): the replica (target model, engine loop) sits in the first, and starts its
+  drafter actor (gRPC server) in the second. `num_pairs` replicas = that many pairs.
+"""
+
+
+import asyncio
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
+                                completion_response, parse_completion, speculative_block)
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo")
+
+
+@dataclass
+class AppConfig:
+    model: str = "specserve-demo"  # the served model name
+    target: str = os.path.join(DEMO_DIR, "target")
+    drafter: str | None = os.path.join(DEMO_DIR, "drafter")  # None: no speculation
+    k: int = 4
+    pipeline: bool = True
+    max_num_seqs: int = 8
+    max_waiting: int = 64
+    max_model_len: int | None = None
+    num_pairs: int = 1
+    use_gpu: bool | None = None  # None: a GPU per actor when the cluster has GPUs
+    cpus_per_actor: float = 1.0
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "AppConfig":
+        args = dict(args or {})
+        unknown = set(args) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown specserve app args: {sorted(unknown)}")
+        cfg = cls(**args)
+        if cfg.k < 0 or cfg.max_num_seqs < 1 or cfg.num_pairs < 1 or cfg.max_waiting < 0:
+            raise ValueError("k >= 0, max_num_seqs >= 1, num_pairs >= 1 and max_waiting >= 0 are required")
+        return cfg
+
+    def gpu(self) -> bool:
+        if self.use_gpu is not None:
+            return self.use_gpu
+        import ray
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2
+
+
+@serve.deployment(max_ongoing_requests=1024)
+class SpeculativePair:
+    def __init__(self, config: dict):
+        import torch
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from transformers.utils import logging as hf_logging
+
+        from drafter_service.actor import DrafterActor
+        from drafter_service.runner import ModelRunner
+        from verifier_service.client import DrafterClient, RemoteProposer
+        from verifier_service.engine import SpeculativeEngine
+
+        cfg = AppConfig(**config)
+        threads = max(1, int(cfg.cpus_per_actor))
+        torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()
+        self.drafter = None
+        proposer = None
+        if cfg.drafter:
+            pg = get_current_placement_group()
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
+            self.drafter = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
+                                                scheduling_strategy=strategy).remote(
+                cfg.drafter, cfg.pipeline, threads, max_sequences=cfg.max_num_seqs)
+            import ray
+            proposer = RemoteProposer(DrafterClient(ray.get(self.drafter.get_address.remote())))
+        target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs)
+        self.engine = SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs,
+                                        max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len)
+        self.engine.start()
+        self.k = cfg.k if proposer is not None else 0
+
+    async def generate(self, request: dict):
+        """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"})."""
+        from drafter_service.sampling import SamplingParams
+        from verifier_service.engine import Overloaded
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        k = self.k if request["speculative"] else 0
+        if request.get("k") is not None and k:
+            k = request["k"]
+        try:
+            req = self.engine.submit(
+                request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
+                request_id=request["id"], ignore_eos=request.get("ignore_eos", False),
+                on_tokens=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
+                on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
+        except ValueError as e:
+            yield {"error": {"status": 400, "message": str(e)}}
+            return
+        except Overloaded as e:
+            yield {"error": {"status": 503, "message": str(e)}}
+            return
+        finished = False
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "tokens":
+                    yield {"token_ids": item}
+                    continue
+                finished = True
+                if item.error is not None:
+                    yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
+                else:
+                    yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k}
+                return
+        finally:
+            if not finished:  # the client went away: free the slots on both sides
+                self.engine.cancel(request["id"])
+
+    def load(self) -> dict:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, pair, config: dict):
+        from transformers.utils import logging as hf_logging
+
+        from cluster.metrics import Metrics
+        from drafter_service.runner import load_tokenizer
+
+        hf_logging.disable_progress_bar()
+        self.pair = pair
+        self.cfg = AppConfig(**config)
+        self.tokenizer = load_tokenizer(self.cfg.target)
+        self.metrics = Metrics()
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.cfg.model, "object": "model", "created": 0,
+                                             "owned_by": "specserve"}]}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        loads = await self.pair.broadcast("load").results_async()
+        return PlainTextResponse(self.metrics.render(loads), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = await self._json(request)
+        req = parse_completion(body, self.cfg.model)
+        return await self._serve(req, req.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        body = await self._json(request)
+        prompt = chat_prompt(body, self.tokenizer)
+        req = parse_completion({**body, "prompt": prompt}, self.cfg.model)
+        return await self._serve(req, prompt, chat=True)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    async def _json(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    async def _serve(self, req, prompt, chat: bool):
+        if req.model != self.cfg.model:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model!r}",
+                           param="model", code="model_not_found")
+        prompt_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        if not prompt_ids:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        if max(prompt_ids) >= len(self.tokenizer):
+            raise APIError(400, f"prompt token ids must be below {len(self.tokenizer)}", param="prompt")
+        from drafter_service.sampling import SamplingParams
+        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                  seed=req.seed).to_dict()
+        upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
+                    "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos}
+        stream = self.pair.options(stream=True).generate.remote(upstream)
+        cid, timer = completion_id(), self.metrics.timer()
+        detok = Detokenizer(self.tokenizer, req.stop)
+        first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
+        if "error" in first:
+            self._raise_upstream(first["error"])
+        if req.stream:
+            return StreamingResponse(self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer),
+                                     media_type="text/event-stream")
+        text, final, n_tokens = "", None, 0
+        try:
+            async for item in self._items(first, stream):
+                if "token_ids" in item:
+                    n_tokens += len(item["token_ids"])
+                    timer.tokens(len(item["token_ids"]))
+                    text += detok.add(item["token_ids"])
+                    if detok.stopped:
+                        break
+                else:
+                    final = item
+        finally:
+            stream.cancel()  # a stop string (or an error) ends the sequence early: free its slots
+        text += detok.flush() if not detok.stopped else ""
+        return self._finish(cid, req, prompt_ids, text, final, n_tokens, detok.stopped, chat, timer)
+
+    @staticmethod
+    async def _items(first, stream):
+        yield first
+        async for item in stream:
+            if "error" in item:
+                raise APIError(item["error"]["status"], item["error"]["message"])
+            yield item
+
+    def _raise_upstream(self, error: dict):
+        headers = {"Retry-After": "1"} if error["status"] == 503 else None
+        raise APIError(error["status"], error["message"], param="prompt" if error["status"] == 400 else None,
+                       headers=headers)
+
+    def _finish(self, cid, req, prompt_ids, text, final, n_tokens, stopped, chat, timer):
+        stats = final["stats"] if final else {}
+        finish_reason = "stop" if stopped or (final and final["finish_reason"] == "stop") else "length"
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
+                 "total_tokens": len(prompt_ids) + n_tokens}
+        spec = speculative_block(req.speculative and bool(final and final.get("k")),
+                                 final.get("k", 0) if final else 0, stats)
+        self.metrics.finished(finish_reason, timer.elapsed(), usage, stats)
+        return completion_response(cid, req.model, text, finish_reason, usage, spec, chat=chat)
+
+    async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer):
+        final, n_tokens = None, 0
+        try:
+            async for item in self._items(first, stream):
+                if "token_ids" in item:
+                    n_tokens += len(item["token_ids"])
+                    timer.tokens(len(item["token_ids"]))
+                    delta = detok.add(item["token_ids"])
+                    if delta:
+                        yield sse_event(completion_chunk(cid, req.model, delta, None, chat))
+                    if detok.stopped:
+                        break
+                else:
+                    final = item
+            if not detok.stopped:
+                tail = detok.flush()
+                if tail:
+                    yield sse_event(completion_chunk(cid, req.model, tail, None, chat))
+            done = self._finish(cid, req, prompt_ids, detok.text, final, n_tokens, detok.stopped, chat, timer)
+            last = completion_chunk(cid, req.model, "", done["choices"][0]["finish_reason"], chat)
+            last["usage"], last["speculative"] = done["usage"], done["speculative"]
+            yield sse_event(last)
+        except APIError as e:
+            yield sse_event(e.body())
+        finally:  # also runs when the client disconnects mid-stream
+            stream.cancel()
+        yield "data: [DONE]\n\n"
+
+
+def build_app(args: dict | None = None):
+    """The Serve application for a plain config dict (see AppConfig)."""
+    cfg = AppConfig.from_args(args)
+    bundle = {"CPU": cfg.cpus_per_actor, **({"GPU": 1} if cfg.gpu() else {})}
+    pair = SpeculativePair.options(
+        num_replicas=cfg.num_pairs,
+        ray_actor_options={"num_cpus": cfg.cpus_per_actor, "num_gpus": bundle.get("GPU", 0)},
+        placement_group_bundles=[dict(bundle), dict(bundle)] if cfg.drafter else [dict(bundle)],
+        placement_group_strategy="PACK",
+    ).bind(asdict(cfg))
+    return OpenAIIngress.bind(pair, asdict(cfg))

@@ -1,0 +1,213 @@
+"""The HTTP endpoint, live on Ray Serve, driven by the official `openai` client."""
+
+import asyncio
+import json
+import re
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+MODEL = "specserve-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_pair_dir):
+    from ray import serve
+
+    from cluster.serve_app import build_app
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"], "k": 3,
+            "max_num_seqs": 4, "max_waiting": 32, "cpus_per_actor": 1}
+    serve.run(build_app(args), name="specserve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("specserve")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(server, name, labels=""):
+    text = httpx.get(server + "/metrics", timeout=30).text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_completion_and_stream_agree(client):
+    prompt = "def fibonacci(n):"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    assert full.choices[0].finish_reason in ("length", "stop") and full.usage.completion_tokens <= 40
+    assert full.usage.prompt_tokens > 0
+    spec = full.model_extra["speculative"]
+    assert spec["enabled"] and spec["num_draft_tokens"] > 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"speculative": {"enabled": False}})
+    assert plain.choices[0].text == full.choices[0].text
+    assert plain.model_extra["speculative"]["num_draft_tokens"] == 0
+
+
+def test_token_id_prompt_and_seeded_sampling(client):
+    a = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, temperature=0.8, seed=3)
+    b = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, temperature=0.8, seed=3)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_stop_strings_in_both_modes(client):
+    base = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0).choices[0].text
+    assert len(base) > 6
+    stop = base[4:6]
+    full = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=[stop])
+    assert full.choices[0].text == base[:base.index(stop)] and full.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=0), "top_p"), (dict(n=2), "n"), (dict(prompt=""), "prompt"),
+    (dict(prompt="word " * 2000), "prompt"), (dict(extra_body={"speculative": {"k": 99}}), "speculative.k"),
+])
+def test_bad_input_is_a_400_with_our_message(client, kwargs, param):
+    args = dict(model=MODEL, prompt="hello", max_tokens=5)
+    args.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args)
+    body = e.value.body
+    assert body["type"] == "invalid_request_error" and body["message"]
+    if param != "prompt":
+        assert body["param"] == param
+
+
+def test_unknown_model_and_missing_chat_template(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="hi", max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_models_health_and_bad_json(server):
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == MODEL
+    r = httpx.post(server + "/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_16_concurrent_streams_equal_solo(server, client):
+    prompts = [f"def f{i}(x):" for i in range(16)]
+    solo = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+            for p in prompts]
+
+    async def one(ac, p):
+        text = ""
+        async with ac.stream("POST", server + "/v1/completions", json={
+                "model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def all_():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    assert asyncio.run(all_()) == solo
+
+
+def test_disconnect_frees_the_sequence(server):
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server + "/v1/completions", json={
+                "model": MODEL, "prompt": "a", "max_tokens": 480, "temperature": 0.9, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = r.iter_lines()  # kept referenced until the `with` closes the connection
+            while not next(lines).startswith("data: "):
+                pass
+            assert metric(server, "specserve_num_requests_running") >= 1
+    deadline = time.monotonic() + 5
+    while metric(server, "specserve_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the dropped stream's sequence is still running"
+        time.sleep(0.2)
+
+
+def test_metrics_follow_usage(server, client):
+    before = {n: metric(server, n) for n in ("specserve_generation_tokens_total", "specserve_prompt_tokens_total",
+                                             "specserve_spec_decode_num_draft_tokens_total",
+                                             "specserve_spec_decode_num_accepted_tokens_total")}
+    gen = prompt = drafted = accepted = 0
+    for i in range(3):
+        r = client.completions.create(model=MODEL, prompt=f"import os{i}", max_tokens=10, temperature=0)
+        gen += r.usage.completion_tokens
+        prompt += r.usage.prompt_tokens
+        drafted += r.model_extra["speculative"]["num_draft_tokens"]
+        accepted += r.model_extra["speculative"]["num_accepted_tokens"]
+    assert metric(server, "specserve_generation_tokens_total") - before["specserve_generation_tokens_total"] == gen
+    assert metric(server, "specserve_prompt_tokens_total") - before["specserve_prompt_tokens_total"] == prompt
+    assert (metric(server, "specserve_spec_decode_num_draft_tokens_total")
+            - before["specserve_spec_decode_num_draft_tokens_total"]) == drafted
+    assert (metric(server, "specserve_spec_decode_num_accepted_tokens_total")
+            - before["specserve_spec_decode_num_accepted_tokens_total"]) == accepted
+    assert metric(server, "specserve_e2e_request_latency_seconds_count") >= 3
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=True)
+                           | st.text(max_size=20), lambda c: st.lists(c, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=8)
+fields = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from([MODEL, "other", ""]) | json_values,
+    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 400), max_size=6) | json_values,
+    "max_tokens": st.integers(-2, 6) | json_values, "temperature": st.floats(-1, 3) | json_values,
+    "top_p": st.floats(-0.5, 1.5) | json_values, "top_k": st.integers(-3, 50) | json_values,
+    "seed": st.integers(-5, 2 ** 64) | json_values, "stop": st.text(max_size=3) | json_values,
+    "stream": st.booleans() | json_values, "n": st.integers(0, 3) | json_values,
+    "speculative": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "k": st.integers(-2, 20)})
+    | json_values})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=fields | json_values)
+def test_fuzzed_bodies_never_5xx(server, body):
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_overload_is_a_503_with_retry_after(server, tiny_pair_dir):
+    """One slot and no queue: while a stream holds the slot, another request is refused, not lost."""
+    from ray import serve
+
+    from cluster.serve_app import build_app
+    serve.run(build_app({"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"],
+                         "max_num_seqs": 1, "max_waiting": 0, "cpus_per_actor": 1}), name="small",
+              route_prefix="/small")
+    try:
+        with httpx.Client(timeout=60) as c:
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 500, "stream": True, "ignore_eos": True, "top_k": 1}
+            with c.stream("POST", server + "/small/v1/completions", json=body) as r:
+                lines = r.iter_lines()  # kept referenced: dropping it would close the stream
+                while not next(lines).startswith("data: "):
+                    pass
+                refused = c.post(server + "/small/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert "overloaded" in refused.json()["error"]["message"]
+            ok = c.post(server + "/small/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        serve.delete("small")
