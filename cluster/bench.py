@@ -150,6 +150,80 @@ def bench_distributed(args) -> dict:
                 rows=results)
 
 
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+
+def bench_batching(args) -> dict:
+    """Aggregate tokens/s and inter-token latency at each concurrency, for batched plain decoding
+    (k = 0 through the same loop) and batched speculation, sequential and pipelined."""
+    import ray
+
+    from cluster.pair import SpeculativePair
+    from drafter_service.runner import load_tokenizer
+    from drafter_service.sampling import SamplingParams
+
+    model_dir = Path(args.models)
+    target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = heldout_prompts(model_dir, max(levels), args.prompt_tokens, load_tokenizer(target_path))
+    rows: dict[str, dict] = {}
+    for mode, pipeline, k in (("plain", False, 0), ("speculative, sequential", False, args.k),
+                              ("speculative, pipelined", True, args.k)):
+        pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
+                               max_num_seqs=max(levels), max_waiting=max(levels))
+        try:
+            ray.get(pair.submit(prompts[0], 8, SamplingParams(), k))  # warm-up
+            for c in levels:
+                runs, itl = [], []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    outs = ray.get([pair.submit(prompts[i], args.max_tokens, SamplingParams(), k, ignore_eos=True)
+                                    for i in range(c)])
+                    elapsed = time.perf_counter() - t0
+                    runs.append(sum(len(o["token_ids"]) for o in outs) / elapsed)
+                    for o in outs:
+                        last = None
+                        for t, n in o["chunks"]:
+                            if last is not None:
+                                itl += [(t - last) / n] * n
+                            last = t
+                rows.setdefault(mode, {})[c] = dict(tokens_per_s=statistics.median(runs), runs_tokens_per_s=runs,
+                                                    itl_p50_ms=percentile(itl, 0.5) * 1e3,
+                                                    itl_p99_ms=percentile(itl, 0.99) * 1e3)
+                print(f"  {mode} @ {c}: {rows[mode][c]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            pair.shutdown()
+    crossover = None
+    for c in levels:
+        best = max(rows["speculative, sequential"][c]["tokens_per_s"], rows["speculative, pipelined"][c]["tokens_per_s"])
+        if best < rows["plain"][c]["tokens_per_s"]:
+            crossover = c
+            break
+    return dict(models=str(model_dir), k=args.k, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                repeats=args.repeats, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover)
+
+
+def markdown_batching(report: dict, command: str) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Models: `{report['models']}`, k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
+             f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
+             "runs; one verifier and one drafter actor, 1 torch thread each.", "",
+             "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
+             "| ITL p50 / p99 ms: plain | sequential | pipelined |", "|---|---|---|---|---|---|---|"]
+    rows = report["rows"]
+    for c in report["concurrency"]:
+        p, s, q = rows["plain"][c], rows["speculative, sequential"][c], rows["speculative, pipelined"][c]
+        lines.append(f"| {c} | {p['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} ({s['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
+                     f"| {q['tokens_per_s']:.1f} ({q['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
+                     f"| {p['itl_p50_ms']:.1f} / {p['itl_p99_ms']:.1f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} "
+                     f"| {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} |")
+    stop = report["speculation_stops_paying_at"]
+    lines += ["", f"- speculation stops paying at concurrency: {stop if stop is not None else 'not within the range measured'}"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, k = {report['k']}, {report['prompts']} prompts of "
@@ -173,19 +247,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specserve bench")
     sub = p.add_subparsers(dest="which", required=True)
     d = sub.add_parser("distributed", help="in-process vs Ray+gRPC, sequential vs pipelined")
-    d.add_argument("--models", default=str(DEFAULT_MODEL_DIR), help="folder with target/ and drafter/")
-    d.add_argument("-k", type=int, default=4)
+    b = sub.add_parser("batching", help="continuous batching: throughput and latency by concurrency")
+    for q in (d, b):
+        q.add_argument("--models", default=str(DEFAULT_MODEL_DIR), help="folder with target/ and drafter/")
+        q.add_argument("-k", type=int, default=4)
+        q.add_argument("--prompt-tokens", type=int, default=64)
+        q.add_argument("--max-tokens", type=int, default=64)
+        q.add_argument("--repeats", type=int, default=3)
     d.add_argument("--prompts", type=int, default=10)
-    d.add_argument("--prompt-tokens", type=int, default=64)
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
+    b.add_argument("--concurrency", default="1,2,4,8,16,32")
+    b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    report = bench_distributed(args)
+    torch.set_num_threads(1)
+    if args.which == "distributed":
+        report, render = bench_distributed(args), markdown
+    else:
+        report, render = bench_batching(args), markdown_batching
     command = "specserve bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(report, command)
+    md = render(report, command)
     print(md)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n")

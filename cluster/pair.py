@@ -85,11 +85,12 @@ class SpeculativePair:
         ref = self.submit(prompt_ids, max_new_tokens, sampling, k, request_id)
         return self.result(ref)
 
-    def submit(self, prompt_ids, max_new_tokens, sampling=SamplingParams(), k=4, request_id=None):
-        """Starts a request; returns a Ray ObjectRef for `result`. Cancel it with `cancel(request_id)`."""
+    def submit(self, prompt_ids, max_new_tokens, sampling=SamplingParams(), k=4, request_id=None, ignore_eos=False):
+        """Starts a request; returns a Ray ObjectRef for `result` (or ray.get: the raw dict with
+        per-round timings). Cancel it with `cancel(request_id)`."""
         k = k if self.drafter is not None else 0
         return self.verifier.generate.remote(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens,
-                                             sampling.to_dict(), k)
+                                             sampling.to_dict(), k, ignore_eos)
 
     @staticmethod
     def result(ref) -> GenerationResult:

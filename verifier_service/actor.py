@@ -28,15 +28,22 @@ class VerifierActor:
                                         max_model_len=max_model_len)
         self.engine.start()
 
-    def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int) -> dict:
-        """Returns {"token_ids", "finish_reason", "stats"}; raises ValueError for a bad request and
+    def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int,
+                 ignore_eos: bool = False) -> dict:
+        """Returns {"token_ids", "finish_reason", "stats", "start", "chunks"} (chunks: (time, tokens)
+        per round, on this actor's monotonic clock); raises ValueError for a bad request and
         Overloaded when the queue is full."""
+        import time
+
         from drafter_service.sampling import SamplingParams
 
-        req = self.engine.submit(prompt_ids, max_new_tokens, SamplingParams(**sampling), k, request_id=request_id)
+        start = time.monotonic()
+        req = self.engine.submit(prompt_ids, max_new_tokens, SamplingParams(**sampling), k, request_id=request_id,
+                                 ignore_eos=ignore_eos)
         req.done.wait()
         result = req.result()
-        return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
+        return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
+                "start": start, "chunks": req.chunks}
 
     def cancel(self, request_id: str) -> bool:
         """Ends the request before its next round; its KV state is released on both sides."""

@@ -16,6 +16,7 @@ rounds; k = 0 (or no proposer) is plain decoding through the same loop, so basel
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -126,6 +127,7 @@ class Request:
     unsent: list[int] = field(default_factory=list)  # committed tokens the drafter has not been told
     out: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, tokens) per round
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
@@ -288,6 +290,7 @@ class SpeculativeEngine:
             req.out += emitted
             req.unsent += emitted
             req.pending = next_token
+            req.chunks.append((time.monotonic(), len(emitted)))
             wanted = req.on_tokens is None or req.on_tokens(emitted) is not False
             if stopped or len(req.out) >= req.max_new_tokens:
                 self._finish(req, "stop" if stopped else "length")
