@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, module, help_ in (("train-demo", "cluster.demo_pair", "train the embedded demo pair from the stdlib"),
                                 ("distill", "drafter_service.distill", "distill a drafter for a target"),
-                                ("bench", "cluster.bench", "run a benchmark and write its results")):
+                                ("bench", "cluster.bench", "run a benchmark and write its results"),
+                                ("eval-demo", "cluster.eval_demo", "measure the demo pair on held-out code")):
         d = sub.add_parser(name, help=help_, add_help=False)
         d.add_argument("rest", nargs=argparse.REMAINDER)
         d.set_defaults(func=lambda a, m=module: __import__(m, fromlist=["main"]).main(a.rest) or 0)
