@@ -75,3 +75,34 @@ def test_errors_exit_2_with_one_line(tiny_pair_dir, other_tokenizer_drafter, cap
 def test_error_through_the_real_entry_point(tiny_pair_dir):
     r = run_cli(["generate", "--target", "/nonexistent", "--drafter", tiny_pair_dir["drafter"], "--prompt", "x"])
     assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
+    import signal
+    import socket
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
+         tiny_pair_dir["drafter"], "--port", str(port), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})  # its own Ray, not the tests'
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        while not any("curl" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert any(f"http://localhost:{port}" in line for line in lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
