@@ -27,7 +27,7 @@ TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1
 class PairConfig:
     target: str
     drafter: str | None
-    pipeline: bool = True
+    pipeline: bool | str = True  # False, True (default policy) or a policy name: drafter_service.pipeline.POLICIES
     use_gpu: bool | None = None  # None: one GPU per actor when the cluster has GPUs
     strategy: str = "PACK"  # placement strategy for the pair's two bundles
     cpus_per_actor: float = 1.0  # also each actor's torch thread count (at least 1)

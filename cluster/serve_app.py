@@ -39,7 +39,7 @@ class AppConfig:
     target: str = os.path.join(DEMO_DIR, "target")
     drafter: str | None = os.path.join(DEMO_DIR, "drafter")  # None: no speculation
     k: int = 4
-    pipeline: bool = True
+    pipeline: bool | str = True  # False, True (default policy) or a policy name: drafter_service.pipeline.POLICIES
     max_num_seqs: int = 8
     max_waiting: int = 64
     max_model_len: int | None = None

@@ -7,7 +7,7 @@ import ray
 
 @ray.remote
 class DrafterActor:
-    def __init__(self, model_path: str, pipeline: bool = True, threads: int = 1, port: int = 0,
+    def __init__(self, model_path: str, pipeline: bool | str = True, threads: int = 1, port: int = 0,
                  max_sequences: int = 64):
         import torch
         from transformers.utils import logging as hf_logging

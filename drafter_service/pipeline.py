@@ -1,10 +1,17 @@
 """Pipelined drafting: the drafter works on round r+1 while the target verifies round r.
 
-Policy ("assume all accepted"): right after answering round r with drafts d_1..d_k, the drafter
-feeds d_k, guesses the target's bonus token as its own most likely next token g, and drafts
-round r+1 as if d_1..d_k, g had been committed.
+Right after answering round r with drafts d_1..d_k, the drafter guesses the outcome of the
+verification and drafts round r+1 as if that outcome had been committed. Two policies:
 
-- Hit: the verifier then reports exactly d_1..d_k, g as committed. The prepared draft is
+- "all-accepted": the outcome is d_1..d_k plus a bonus token g, the drafter's own most likely
+  token after d_k.
+- "most-likely" (default): the more probable of two outcomes, "all accepted" (+ g) and "d_1
+  rejected, the target writing the drafter's runner-up token instead", estimated from what this
+  drafter has seen so far: with acceptance rate a and runner-up accuracy b, they have
+  probabilities about a^(k+1) and (1 - a) * b. With acceptance near 0.5, "rejected at 1" is the
+  better bet, which "all-accepted" never makes.
+
+- Hit: the verifier then reports exactly the guessed tokens as committed. The prepared draft is
   returned at once; round r+1's drafting was hidden behind round r's verification.
 - Miss: the guess is discarded: the committed tokens are reset and the KV cache rolls back to
   the longest prefix that agrees with what was really committed, then round r+1 is drafted.
@@ -27,13 +34,23 @@ class _Prepared:
     base: int  # committed length before the assumed tokens
     assumed: list[int]
     draft: Draft
+    confidence: list[tuple[float, int, float]]  # the draft's, see DraftModelProposer
+
+
+POLICIES = ("most-likely", "all-accepted")
 
 
 class PipelinedProposer(Proposer):
-    def __init__(self, inner: DraftModelProposer):
+    def __init__(self, inner: DraftModelProposer, policy: str = "most-likely"):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown pipelining policy {policy!r}; one of {POLICIES}")
+        self.policy = policy
         self.inner = inner
         self.max_length = inner.max_length
         self.last: dict[str, Draft] = {}  # the draft most recently returned, per sequence
+        self.last_conf: dict[str, list[tuple[float, int, float]]] = {}
+        # what the verifier did with past drafts: for the estimates of "most-likely"
+        self.drafted = self.accepted = self.rejections = self.runner_up_right = 0
         self.ready: dict[str, _Prepared] = {}
         self.hits = 0
         self.misses = 0
@@ -45,11 +62,13 @@ class PipelinedProposer(Proposer):
         out: list[Draft | None] = [None] * len(items)
         todo = []
         for i, item in enumerate(items):
+            self._observe(item)
             prepared = self.ready.pop(item.seq_id, None)
             if prepared is not None:
                 if prepared.assumed == item.new_tokens and len(prepared.draft.tokens) == item.k:
                     self.hits += 1
                     out[i] = Draft(prepared.draft.tokens, prepared.draft.probs, pipeline_hit=True)
+                    self.last_conf[item.seq_id] = prepared.confidence
                     continue
                 self.misses += 1
                 self.inner.uncommit(item.seq_id, prepared.base)  # propose() rolls the cache back
@@ -57,27 +76,59 @@ class PipelinedProposer(Proposer):
         if todo:
             for i, draft in zip(todo, self.inner.propose([items[i] for i in todo])):
                 out[i] = draft
+                self.last_conf[items[i].seq_id] = list(self.inner.confidence(items[i].seq_id))
         for item, draft in zip(items, out):
             self.last[item.seq_id] = draft
         return out
 
+    def _observe(self, item: ProposeItem) -> None:
+        """Learn from the verifier's answer to this sequence's last draft."""
+        last = self.last.get(item.seq_id)
+        if last is None or not last.tokens or not item.new_tokens:
+            return
+        k = len(last.tokens)
+        n = 0
+        while n < k and n < len(item.new_tokens) - 1 and item.new_tokens[n] == last.tokens[n]:
+            n += 1
+        self.drafted += k
+        self.accepted += n
+        conf = self.last_conf.get(item.seq_id, [])
+        if n < k and n < len(conf):
+            self.rejections += 1
+            self.runner_up_right += item.new_tokens[n] == conf[n][1]
+
     def speculate(self, seq_ids: list[str]) -> None:
-        """Prepare the next round of these sequences (same k as their last), assuming their last
-        drafts are accepted in full. Runs between rounds, as one batch."""
+        """Prepare the next round of these sequences (same k as their last) for the guessed outcome
+        of their verification. Runs between rounds, as one batch."""
         ids = [s for s in seq_ids if s in self.inner.seqs and s not in self.ready and self.last.get(s)
                and self.last[s].tokens
                and self.inner.committed_length(s) + 2 * len(self.last[s].tokens) + 1 <= self.max_length]
         if not ids:
             return
-        bases = [self.inner.committed_length(s) for s in ids]
-        lasts = [self.last[s].tokens for s in ids]
-        guesses = self.inner.guess_bonus(ids, lasts)
-        assumed = [d + [g] for d, g in zip(lasts, guesses)]
-        drafts = self.inner.propose([ProposeItem(s, a, len(d)) for s, a, d in zip(ids, assumed, lasts)])
-        for s, base, a, d in zip(ids, bases, assumed, drafts):
-            self.ready[s] = _Prepared(base, a, d)
+        bases = {s: self.inner.committed_length(s) for s in ids}
+        assumed = {s: self._likeliest_rejection(s) for s in ids} if self.policy == "most-likely" else {}
+        full = [s for s in ids if assumed.get(s) is None]
+        if full:
+            lasts = [self.last[s].tokens for s in full]
+            for s, d, g in zip(full, lasts, self.inner.guess_bonus(full, lasts)):
+                assumed[s] = d + [g]
+        drafts = self.inner.propose([ProposeItem(s, assumed[s], len(self.last[s].tokens)) for s in ids])
+        for s, d in zip(ids, drafts):
+            self.ready[s] = _Prepared(bases[s], assumed[s], d, list(self.inner.confidence(s)))
+
+    def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
+        """The committed tokens of the outcome "d_1 rejected, runner-up written" when it is likelier
+        than "all accepted", else None."""
+        a = (self.accepted + 1) / (self.drafted + 2)
+        b = (self.runner_up_right + 1) / (self.rejections + 2)
+        conf = self.last_conf.get(seq_id)
+        k = len(self.last[seq_id].tokens)
+        if not conf or (1 - a) * b <= a ** (k + 1):
+            return None
+        return [conf[0][1]]
 
     def release(self, seq_id: str) -> None:
         self.inner.release(seq_id)
         self.last.pop(seq_id, None)
+        self.last_conf.pop(seq_id, None)
         self.ready.pop(seq_id, None)

@@ -64,6 +64,8 @@ class _Seq:
     params: SamplingParams
     tokens: list[int]  # committed tokens
     cached: list[int] = field(default_factory=list)  # tokens in the slot's KV cache (committed prefix + drafts)
+    # per drafted position of the last draft: (drafter prob. of the draft, runner-up token, its prob.)
+    confidence: list[tuple[float, int, float]] = field(default_factory=list)
 
 
 class DraftModelProposer(Proposer):
@@ -122,6 +124,8 @@ class DraftModelProposer(Proposer):
         return logits
 
     def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]) -> list[Draft]:
+        for seq in seqs:
+            seq.confidence = []
         generators = [request_generator(seq.params.seed, "draft", len(seq.tokens)) for seq in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -131,11 +135,15 @@ class DraftModelProposer(Proposer):
                 params = seqs[i].params
                 if params.greedy:
                     x = int(logits[i].argmax())
+                    q = torch.softmax(logits[i], -1)  # only as the drafter's confidence, for pipelining
                 else:
                     q = warp(logits[i], params)
                     x = sample(q, generators[i])
                     qs[i].append(q)
                 drafts[i].append(x)
+                top = torch.topk(q, 2)
+                alt = int(top.indices[1]) if int(top.indices[0]) == x else int(top.indices[0])
+                seqs[i].confidence.append((float(q[x]), alt, float(q[alt])))
             feed = [i for i in live if step < ks[i] - 1]
             if feed:
                 out = self.runner.score_batch([(seqs[i].slot, [drafts[i][-1]]) for i in feed], last_only=True)
@@ -143,6 +151,9 @@ class DraftModelProposer(Proposer):
                     logits[i] = row[-1]
                     seqs[i].cached.append(drafts[i][-1])
         return [Draft(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def confidence(self, seq_id: str) -> list[tuple[float, int, float]]:
+        return self.seqs[seq_id].confidence
 
     def guess_bonus(self, seq_ids: list[str], last_drafts: list[list[int]]) -> list[int]:
         """Feed each sequence's last drafted token (one batched pass) and return the drafter's

@@ -55,12 +55,14 @@ def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, model, pipeline: bool = True, max_sequences: int = 64):
+    def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences))
-        self.proposer = PipelinedProposer(self.inner) if pipeline else self.inner
+        # pipeline: False, True (the default policy) or a policy name from pipeline.POLICIES
+        self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []))
+                         if pipeline else self.inner)
         self.max_length = self.inner.max_length
-        self.pipeline = pipeline
+        self.pipeline = bool(pipeline)
         self.max_sequences = max_sequences
         self.versions: dict[str, int] = {}  # bumps on every Propose: stale speculation is skipped
         self.lock = threading.Lock()  # all model work and sequence state, one thread at a time
@@ -164,7 +166,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 pipeline_misses=getattr(self.proposer, "misses", 0))
 
 
-def serve(model, host: str = "0.0.0.0", port: int = 0, pipeline: bool = True, max_sequences: int = 64,
+def serve(model, host: str = "0.0.0.0", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
           max_workers: int = 8):
     """Starts the gRPC server; returns (server, bound_port, servicer)."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences)
