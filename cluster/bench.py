@@ -1,8 +1,8 @@
 """Benchmarks (commands, not tests). `specserve bench distributed` runs, on the same prompts:
 
   1. target only, in process          3. distributed (Ray + gRPC), sequential
-  2. the in-process speculative engine 4. distributed, pipelined (default policy "most-likely";
-                                          4b: policy "all-accepted")
+  2. the in-process speculative engine 4. distributed, pipelined (default policy "all-accepted";
+                                          4b: policy "most-likely")
 
 with one torch thread per model, and reports tokens/s, mean acceptance length, target passes per
 token, pipeline hit rate and each row's speedup over row 1 (medians over repeats, all measured in
@@ -136,8 +136,8 @@ def bench_distributed(args) -> dict:
     rows = {"1 target only (in process)": lambda: (plain.generate, lambda: None),
             "2 speculative (in process)": lambda: (spec.generate, lambda: None),
             "3 distributed, sequential": distributed(False),
-            "4 distributed, pipelined": distributed("most-likely"),
-            "4b distributed, pipelined (all-accepted policy)": distributed("all-accepted")}
+            "4 distributed, pipelined": distributed("all-accepted"),
+            "4b distributed, pipelined (most-likely policy)": distributed("most-likely")}
     results = run_rows(rows, prompts, args.max_tokens, args.k, args.repeats)
     alpha = results["2 speculative (in process)"]["acceptance_rate"]
     ideal = ideal_speedup(alpha, args.k, t1, tk1)

@@ -3,13 +3,13 @@
 Right after answering round r with drafts d_1..d_k, the drafter guesses the outcome of the
 verification and drafts round r+1 as if that outcome had been committed. Two policies:
 
-- "all-accepted": the outcome is d_1..d_k plus a bonus token g, the drafter's own most likely
-  token after d_k.
-- "most-likely" (default): the more probable of two outcomes, "all accepted" (+ g) and "d_1
-  rejected, the target writing the drafter's runner-up token instead", estimated from what this
-  drafter has seen so far: with acceptance rate a and runner-up accuracy b, they have
-  probabilities about a^(k+1) and (1 - a) * b. With acceptance near 0.5, "rejected at 1" is the
-  better bet, which "all-accepted" never makes.
+- "all-accepted" (default): the outcome is d_1..d_k plus a bonus token g, the drafter's own
+  most likely token after d_k.
+- "most-likely": the more frequent of two outcomes, "all accepted, bonus = g" and "d_1
+  rejected, the target writing the drafter's runner-up token instead", by the rates this drafter
+  has observed: (share of rounds with all k accepted) x (accuracy of g) against (share of rounds
+  with d_1 rejected) x (accuracy of the runner-up). Acceptances come in runs, so these shares
+  are measured, not derived from the per-token acceptance rate.
 
 - Hit: the verifier then reports exactly the guessed tokens as committed. The prepared draft is
   returned at once; round r+1's drafting was hidden behind round r's verification.
@@ -37,11 +37,11 @@ class _Prepared:
     confidence: list[tuple[float, int, float]]  # the draft's, see DraftModelProposer
 
 
-POLICIES = ("most-likely", "all-accepted")
+POLICIES = ("all-accepted", "most-likely")  # the first is the default: see docs/benchmarks/distributed.md
 
 
 class PipelinedProposer(Proposer):
-    def __init__(self, inner: DraftModelProposer, policy: str = "most-likely"):
+    def __init__(self, inner: DraftModelProposer, policy: str = POLICIES[0]):
         if policy not in POLICIES:
             raise ValueError(f"unknown pipelining policy {policy!r}; one of {POLICIES}")
         self.policy = policy
@@ -49,8 +49,11 @@ class PipelinedProposer(Proposer):
         self.max_length = inner.max_length
         self.last: dict[str, Draft] = {}  # the draft most recently returned, per sequence
         self.last_conf: dict[str, list[tuple[float, int, float]]] = {}
-        # what the verifier did with past drafts: for the estimates of "most-likely"
-        self.drafted = self.accepted = self.rejections = self.runner_up_right = 0
+        # what the verifier did with past drafts, for "most-likely": rounds seen, rounds with all
+        # drafts accepted / with the first rejected, and how often g / the runner-up was right
+        self.rounds = self.all_accepted = self.first_rejected = 0
+        self.guess_right = self.guesses = self.runner_up_right = 0
+        self.guessed: dict[str, int] = {}  # the bonus guess g made for a sequence's last draft
         self.ready: dict[str, _Prepared] = {}
         self.hits = 0
         self.misses = 0
@@ -90,12 +93,17 @@ class PipelinedProposer(Proposer):
         n = 0
         while n < k and n < len(item.new_tokens) - 1 and item.new_tokens[n] == last.tokens[n]:
             n += 1
-        self.drafted += k
-        self.accepted += n
-        conf = self.last_conf.get(item.seq_id, [])
-        if n < k and n < len(conf):
-            self.rejections += 1
-            self.runner_up_right += item.new_tokens[n] == conf[n][1]
+        self.rounds += 1
+        guess = self.guessed.pop(item.seq_id, None)
+        if n == k:
+            self.all_accepted += 1
+            if guess is not None:
+                self.guesses += 1
+                self.guess_right += item.new_tokens[k] == guess
+        elif n == 0:
+            self.first_rejected += 1
+            conf = self.last_conf.get(item.seq_id)
+            self.runner_up_right += bool(conf) and item.new_tokens[0] == conf[0][1]
 
     def speculate(self, seq_ids: list[str]) -> None:
         """Prepare the next round of these sequences (same k as their last) for the guessed outcome
@@ -112,18 +120,18 @@ class PipelinedProposer(Proposer):
             lasts = [self.last[s].tokens for s in full]
             for s, d, g in zip(full, lasts, self.inner.guess_bonus(full, lasts)):
                 assumed[s] = d + [g]
+                self.guessed[s] = g
         drafts = self.inner.propose([ProposeItem(s, assumed[s], len(self.last[s].tokens)) for s in ids])
         for s, d in zip(ids, drafts):
             self.ready[s] = _Prepared(bases[s], assumed[s], d, list(self.inner.confidence(s)))
 
     def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
-        """The committed tokens of the outcome "d_1 rejected, runner-up written" when it is likelier
-        than "all accepted", else None."""
-        a = (self.accepted + 1) / (self.drafted + 2)
-        b = (self.runner_up_right + 1) / (self.rejections + 2)
+        """The committed tokens of the outcome "d_1 rejected, runner-up written" when it has been
+        the more frequent bet, else None (bet on "all accepted")."""
         conf = self.last_conf.get(seq_id)
-        k = len(self.last[seq_id].tokens)
-        if not conf or (1 - a) * b <= a ** (k + 1):
+        p_all = (self.all_accepted + 1) / (self.rounds + 2) * (self.guess_right + 1) / (self.guesses + 2)
+        p_rej = (self.first_rejected + 1) / (self.rounds + 2) * (self.runner_up_right + 1) / (self.first_rejected + 2)
+        if not conf or p_rej <= p_all:
             return None
         return [conf[0][1]]
 
@@ -131,4 +139,5 @@ class PipelinedProposer(Proposer):
         self.inner.release(seq_id)
         self.last.pop(seq_id, None)
         self.last_conf.pop(seq_id, None)
+        self.guessed.pop(seq_id, None)
         self.ready.pop(seq_id, None)
