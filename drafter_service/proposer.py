@@ -113,8 +113,12 @@ class DraftModelProposer(Proposer):
             self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
             todo.append(seq.tokens[keep:])
             seq.cached = list(seq.tokens)
-        # One token per forward, so a cache holds the same numbers whichever path led to it (on
-        # demand or pipelined): q, and so sampled output, does not depend on timing.
+        # Sampled requests: one token per forward, so a cache holds the same numbers whichever path
+        # led to it (on demand or pipelined): q, and so sampled output, does not depend on timing.
+        # Greedy output never depends on the drafter's numbers, so greedy batches feed all at once.
+        if all(seq.params.greedy for seq, _ in updates):
+            out = self.runner.score_batch([(seq.slot, t) for (seq, _), t in zip(updates, todo)], last_only=True)
+            return [row[-1] for row in out]
         logits: list[torch.Tensor | None] = [None] * len(updates)
         for step in range(max(len(t) for t in todo)):
             live = [i for i, t in enumerate(todo) if step < len(t)]
