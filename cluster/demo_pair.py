@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # 3. target
     target_dir = str(out / "target")
-    t_info = pretrain_target(tokenizer, stream, target_dir, str(work), hidden=args.hidden,
+    pretrain_target(tokenizer, stream, target_dir, str(work), hidden=args.hidden,
                              layers=args.layers, heads=args.heads, intermediate=args.intermediate,
                              max_pos=args.max_position_embeddings, seq_len=args.seq_len,
                              batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,

@@ -109,7 +109,7 @@ class SpeculativePair:
         if request.get("k") is not None and k:
             k = request["k"]
         try:
-            req = self.engine.submit(
+            self.engine.submit(
                 request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False),
                 on_tokens=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,

@@ -1,7 +1,6 @@
 """The shipped demo pair (models/demo, or $SPECSERVE_MODEL_DIR): loads offline, one shared
 tokenizer, small enough to ship, and greedy speculation with it never changes the target's output."""
 
-import os
 from pathlib import Path
 
 import pytest
