@@ -166,7 +166,7 @@ def test_metrics_follow_usage(server, client):
     assert metric(server, "specserve_e2e_request_latency_seconds_count") >= 3
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=True)
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False)
                            | st.text(max_size=20), lambda c: st.lists(c, max_size=4)
                            | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=8)
 fields = st.fixed_dictionaries({}, optional={
