@@ -11,34 +11,15 @@ with one bundle each (one GPU each on GPU clusters), talking gRPC.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from drafter_service.sampling import SamplingParams
-from verifier_service.engine import GenerationResult, Overloaded, SpecStats
-
-TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1
-
-
-@dataclass
-class PairConfig:
-    target: str
-    drafter: str | None
-    pipeline: bool | str = True  # False, True (default policy) or a policy name: drafter_service.pipeline.POLICIES
-    use_gpu: bool | None = None  # None: one GPU per actor when the cluster has GPUs
-    strategy: str = "PACK"  # placement strategy for the pair's two bundles
-    cpus_per_actor: float = 1.0  # also each actor's torch thread count (at least 1)
-    max_num_seqs: int = 8  # sequences batched together in each round
-    max_waiting: int = 64  # queued requests beyond which new ones are refused (Overloaded)
-    max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
-
-    def bundles(self) -> list[dict]:
-        use_gpu = self.use_gpu if self.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 2
-        bundle = {"CPU": self.cpus_per_actor, **({"GPU": 1} if use_gpu else {})}
-        return [dict(bundle), dict(bundle)]
+from specserve.builder import start_drafter
+from specserve.config import DRAFTER_BUNDLE, TARGET_BUNDLE, SpecServeConfig
+from specserve.core.sampling import SamplingParams
+from specserve.verifier.engine import GenerationResult, Overloaded, SpecStats
 
 
 def ensure_ray() -> None:
@@ -48,33 +29,30 @@ def ensure_ray() -> None:
 
 
 class SpeculativePair:
-    def __init__(self, target: str, drafter: str | None, pipeline: bool = True, **config):
+    """`SpeculativePair(target, drafter, pipeline=True, **fields)`: any other `SpecServeConfig`
+    field (max_num_seqs, max_waiting, use_gpu, cpus_per_actor, ...) as a keyword."""
+
+    def __init__(self, target: str, drafter: str | None, pipeline: bool | str = True, **fields):
         ensure_ray()
-        from drafter_service.actor import DrafterActor
-        from verifier_service.actor import VerifierActor
+        from specserve.verifier.actor import VerifierActor
 
-        self.config = PairConfig(target, drafter, pipeline, **config)
-        bundles = self.config.bundles()
-        self.pg = placement_group(bundles, strategy=self.config.strategy)
+        self.config = cfg = SpecServeConfig(target=target, drafter=drafter, pipeline=pipeline, **fields)
+        bundles = cfg.bundles()
+        self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
         ray.get(self.pg.ready(), timeout=120)
-        threads = max(1, int(self.config.cpus_per_actor))
 
-        def opts(index):
-            return dict(num_cpus=bundles[index]["CPU"], num_gpus=bundles[index].get("GPU", 0),
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index))
+        def strategy(index):
+            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
 
-        self.drafter = None
+        self.drafter = self.verifier = None
         try:
+            address = None
             if drafter is not None:
-                self.drafter = DrafterActor.options(**opts(DRAFTER_BUNDLE)).remote(
-                    drafter, pipeline, threads, max_sequences=self.config.max_num_seqs)
-                address = ray.get(self.drafter.get_address.remote())
-            else:
-                address = None
-            c = self.config
-            self.verifier = VerifierActor.options(max_concurrency=c.max_num_seqs + c.max_waiting + 8,
-                                                  **opts(TARGET_BUNDLE)).remote(
-                target, address, threads, c.max_num_seqs, c.max_waiting, c.max_model_len)
+                self.drafter, address = start_drafter(cfg, strategy(DRAFTER_BUNDLE))
+            bundle = bundles[TARGET_BUNDLE]
+            self.verifier = VerifierActor.options(
+                max_concurrency=cfg.max_num_seqs + cfg.max_waiting + 8, num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy(TARGET_BUNDLE)).remote(cfg.to_dict(), address)
             ray.get(self.verifier.accelerator_ids.remote())  # surfaces a load error here
         except Exception:
             self.shutdown()
@@ -111,7 +89,7 @@ class SpeculativePair:
         return ray.get(self.verifier.load.remote())
 
     def shutdown(self) -> None:
-        for actor in (getattr(self, "verifier", None), self.drafter):
+        for actor in (self.verifier, self.drafter):
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.pg)
@@ -120,9 +98,9 @@ class SpeculativePair:
 def generate_distributed(target: str, drafter: str | None, prompt: str, max_tokens: int, sampling: SamplingParams,
                          k: int, pipeline: bool = True):
     """For the CLI: start a pair, generate once, shut down. Returns (GenerationResult, tokenizer)."""
-    from drafter_service.runner import load_tokenizer
+    from specserve.builder import check_pair
 
-    tokenizer = load_tokenizer(target)
+    tokenizer = check_pair(SpecServeConfig(target=target, drafter=drafter))
     pair = SpeculativePair(target, drafter, pipeline=pipeline)
     try:
         return pair.generate(tokenizer(prompt)["input_ids"], max_tokens, sampling, k), tokenizer

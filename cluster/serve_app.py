@@ -1,17 +1,18 @@
 """The Ray Serve application: an OpenAI-compatible HTTP ingress and speculative-pair replicas.
 
-`build_app(args)` takes a plain config (Ray Serve LLM style) and returns the application, so the
-same config runs under `serve run`, `specserve serve` and a KubeRay RayService:
+`build_app(args)` takes a plain config (the fields of `specserve.config.SpecServeConfig`, Ray
+Serve LLM style) and returns the application, so the same config runs under `serve run`,
+`specserve serve` and a KubeRay RayService:
 
     applications:
       - name: specserve
         route_prefix: /
-        import_path: cluster.serve_app:build_app
+        import_path: specserve.cluster.serve_app:build_app
         args: {target: /models/target, drafter: /models/drafter, k: 4, num_pairs: 1}
 
 Deployments:
 - `OpenAIIngress` (CPU only): HTTP, tokenization, the OpenAI schema, streaming, metrics.
-- `SpeculativePair`: each replica is a verifier. It reserves two placement-group bundles (one GPU
+- `PairReplica`: each replica is a verifier. It reserves two placement-group bundles (one GPU
   each on GPU clusters): the replica (target model, engine loop) sits in the first, and starts its
   drafter actor (gRPC server) in the second. `num_pairs` replicas = that many pairs.
 """
@@ -19,89 +20,46 @@ Deployments:
 
 import asyncio
 import json
-import os
 import uuid
-from dataclasses import asdict, dataclass, fields
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
-from cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
-                                completion_response, parse_completion, speculative_block)
-
-DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo")
-
-
-@dataclass
-class AppConfig:
-    model: str = "specserve-demo"  # the served model name
-    target: str = os.path.join(DEMO_DIR, "target")
-    drafter: str | None = os.path.join(DEMO_DIR, "drafter")  # None: no speculation
-    k: int = 4
-    pipeline: bool | str = True  # False, True (default policy) or a policy name: drafter_service.pipeline.POLICIES
-    max_num_seqs: int = 8
-    max_waiting: int = 64
-    max_model_len: int | None = None
-    num_pairs: int = 1
-    use_gpu: bool | None = None  # None: a GPU per actor when the cluster has GPUs
-    cpus_per_actor: float = 1.0
-
-    @classmethod
-    def from_args(cls, args: dict | None) -> "AppConfig":
-        args = dict(args or {})
-        unknown = set(args) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown specserve app args: {sorted(unknown)}")
-        cfg = cls(**args)
-        if cfg.k < 0 or cfg.max_num_seqs < 1 or cfg.num_pairs < 1 or cfg.max_waiting < 0:
-            raise ValueError("k >= 0, max_num_seqs >= 1, num_pairs >= 1 and max_waiting >= 0 are required")
-        return cfg
-
-    def gpu(self) -> bool:
-        if self.use_gpu is not None:
-            return self.use_gpu
-        import ray
-        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2
+from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
+                                          completion_response, parse_completion, speculative_block)
+from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
 
 
 @serve.deployment(max_ongoing_requests=1024)
-class SpeculativePair:
+class PairReplica:
+    """One pair: this replica is the verifier (target + engine loop); its drafter actor sits in the
+    replica's second placement-group bundle. Both are built by `specserve.builder`."""
+
     def __init__(self, config: dict):
         import torch
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from transformers.utils import logging as hf_logging
 
-        from drafter_service.actor import DrafterActor
-        from drafter_service.runner import ModelRunner
-        from verifier_service.client import DrafterClient, RemoteProposer
-        from verifier_service.engine import SpeculativeEngine
+        from specserve.builder import build_engine, start_drafter
 
-        cfg = AppConfig(**config)
-        threads = max(1, int(cfg.cpus_per_actor))
-        torch.set_num_threads(threads)
+        cfg = SpecServeConfig.from_dict(config)
+        torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
-        self.drafter = None
-        proposer = None
+        self.drafter, address = None, None
         if cfg.drafter:
             pg = get_current_placement_group()
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
-            self.drafter = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
-                                                scheduling_strategy=strategy).remote(
-                cfg.drafter, cfg.pipeline, threads, max_sequences=cfg.max_num_seqs)
-            import ray
-            proposer = RemoteProposer(DrafterClient(ray.get(self.drafter.get_address.remote())))
-        target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs)
-        self.engine = SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs,
-                                        max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
+            self.drafter, address = start_drafter(cfg, strategy)
+        self.engine = build_engine(cfg, address)
         self.engine.start()
-        self.k = cfg.k if proposer is not None else 0
+        self.k = cfg.k if self.engine.proposer is not None else 0
 
     async def generate(self, request: dict):
         """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"})."""
-        from drafter_service.sampling import SamplingParams
-        from verifier_service.engine import Overloaded
+        from specserve.core.sampling import SamplingParams
+        from specserve.verifier.engine import Overloaded
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -164,12 +122,12 @@ class OpenAIIngress:
     def __init__(self, pair, config: dict):
         from transformers.utils import logging as hf_logging
 
-        from cluster.metrics import Metrics
-        from drafter_service.runner import load_tokenizer
+        from specserve.cluster.metrics import Metrics
+        from specserve.core.runner import load_tokenizer
 
         hf_logging.disable_progress_bar()
         self.pair = pair
-        self.cfg = AppConfig(**config)
+        self.cfg = SpecServeConfig.from_dict(config)
         self.tokenizer = load_tokenizer(self.cfg.target)
         self.metrics = Metrics()
 
@@ -218,7 +176,7 @@ class OpenAIIngress:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         if max(prompt_ids) >= len(self.tokenizer):
             raise APIError(400, f"prompt token ids must be below {len(self.tokenizer)}", param="prompt")
-        from drafter_service.sampling import SamplingParams
+        from specserve.core.sampling import SamplingParams
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                   seed=req.seed).to_dict()
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
@@ -301,13 +259,13 @@ class OpenAIIngress:
 
 
 def build_app(args: dict | None = None):
-    """The Serve application for a plain config dict (see AppConfig)."""
-    cfg = AppConfig.from_args(args)
-    bundle = {"CPU": cfg.cpus_per_actor, **({"GPU": 1} if cfg.gpu() else {})}
-    pair = SpeculativePair.options(
+    """The Serve application for a plain config mapping (the fields of `SpecServeConfig`)."""
+    cfg = SpecServeConfig.from_dict(args)
+    bundle = cfg.bundle()
+    pair = PairReplica.options(
         num_replicas=cfg.num_pairs,
-        ray_actor_options={"num_cpus": cfg.cpus_per_actor, "num_gpus": bundle.get("GPU", 0)},
-        placement_group_bundles=[dict(bundle), dict(bundle)] if cfg.drafter else [dict(bundle)],
-        placement_group_strategy="PACK",
-    ).bind(asdict(cfg))
-    return OpenAIIngress.bind(pair, asdict(cfg))
+        ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
+        placement_group_bundles=cfg.bundles(),
+        placement_group_strategy=cfg.placement_strategy,
+    ).bind(cfg.to_dict())
+    return OpenAIIngress.bind(pair, cfg.to_dict())

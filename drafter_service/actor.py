@@ -12,8 +12,8 @@ class DrafterActor:
         import torch
         from transformers.utils import logging as hf_logging
 
-        from drafter_service.runner import ModelRunner
-        from drafter_service.server import serve
+        from specserve.core.runner import ModelRunner
+        from specserve.drafter.server import serve
 
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()

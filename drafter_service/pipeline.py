@@ -17,7 +17,7 @@ verification and drafts round r+1 as if that outcome had been committed. Two pol
   the longest prefix that agrees with what was really committed, then round r+1 is drafted.
 
 Output is unchanged by this: a sampled draft's random stream is derived from the committed
-length (see sampling.request_generator), and the drafter feeds one token per pass, so a prepared
+length (see specserve.core.sampling.request_generator), and the drafter feeds one token per pass, so a prepared
 draft equals the one that would have been drafted on demand.
 """
 
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafter_service.proposer import Draft, DraftModelProposer, ProposeItem, Proposer
-from drafter_service.sampling import SamplingParams
+from specserve.config import PIPELINE_POLICIES as POLICIES
+from specserve.core.proposer import Draft, ProposeItem, Proposer
+from specserve.core.sampling import SamplingParams
+from specserve.drafter.draft_model import DraftModelProposer
 
 
 @dataclass
@@ -35,9 +37,6 @@ class _Prepared:
     assumed: list[int]
     draft: Draft
     confidence: list[tuple[float, int, float]]  # the draft's, see DraftModelProposer
-
-
-POLICIES = ("all-accepted", "most-likely")  # the first is the default: see docs/benchmarks/distributed.md
 
 
 class PipelinedProposer(Proposer):

@@ -12,14 +12,14 @@ import threading
 from concurrent import futures
 
 import grpc
-import torch
 
-from drafter_service.pipeline import PipelinedProposer
-from drafter_service.proposer import CapacityError, DraftModelProposer, ProposeItem
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams
-from proto import speculative_pb2 as pb
-from proto import speculative_pb2_grpc as pb_grpc
+from specserve.core.proposer import CapacityError, ProposeItem
+from specserve.core.runner import ModelRunner
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.pipeline import PipelinedProposer
+from specserve.proto import speculative_pb2 as pb
+from specserve.proto import speculative_pb2_grpc as pb_grpc
+from specserve.proto.codec import q_to_proto, sampling_from_proto
 
 MAX_K = 64
 
@@ -30,35 +30,11 @@ class RequestError(Exception):
         self.code = code
 
 
-def q_to_proto(q: torch.Tensor) -> pb.Distribution:
-    """float32 q, exactly: sparse (support only) when most of the vocabulary is zero, else dense."""
-    q = q.float()
-    support = torch.nonzero(q).flatten()
-    if support.numel() * 2 < q.numel():
-        return pb.Distribution(token_ids=support.tolist(), probs=q[support].tolist())
-    return pb.Distribution(probs=q.tolist())
-
-
-def q_from_proto(dist: pb.Distribution, vocab_size: int) -> torch.Tensor:
-    if dist.token_ids:
-        q = torch.zeros(vocab_size, dtype=torch.float32)
-        q[torch.tensor(list(dist.token_ids))] = torch.tensor(list(dist.probs), dtype=torch.float32)
-        return q
-    if len(dist.probs) != vocab_size:
-        raise ValueError(f"dense distribution has {len(dist.probs)} entries, vocabulary has {vocab_size}")
-    return torch.tensor(list(dist.probs), dtype=torch.float32)
-
-
-def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0,
-                          seed=s.seed)
-
-
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences))
-        # pipeline: False, True (the default policy) or a policy name from pipeline.POLICIES
+        # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
         self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []))
                          if pipeline else self.inner)
         self.max_length = self.inner.max_length

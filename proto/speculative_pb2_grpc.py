@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import speculative_pb2 as proto_dot_speculative__pb2
+from specserve.proto import speculative_pb2 as specserve_dot_proto_dot_speculative__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/speculative_pb2_grpc.py depends on'
+        + ' but the generated code in specserve/proto/speculative_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class DrafterStub:
         """
         self.Start = channel.unary_unary(
                 '/specserve.v1.Drafter/Start',
-                request_serializer=proto_dot_speculative__pb2.StartRequest.SerializeToString,
-                response_deserializer=proto_dot_speculative__pb2.StartReply.FromString,
+                request_serializer=specserve_dot_proto_dot_speculative__pb2.StartRequest.SerializeToString,
+                response_deserializer=specserve_dot_proto_dot_speculative__pb2.StartReply.FromString,
                 _registered_method=True)
         self.Propose = channel.unary_unary(
                 '/specserve.v1.Drafter/Propose',
-                request_serializer=proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=proto_dot_speculative__pb2.ProposeReply.FromString,
+                request_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.Drafter/Release',
-                request_serializer=proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_speculative__pb2.ReleaseReply.FromString,
+                request_serializer=specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=specserve_dot_proto_dot_speculative__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specserve.v1.Drafter/Info',
-                request_serializer=proto_dot_speculative__pb2.InfoRequest.SerializeToString,
-                response_deserializer=proto_dot_speculative__pb2.InfoReply.FromString,
+                request_serializer=specserve_dot_proto_dot_speculative__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specserve_dot_proto_dot_speculative__pb2.InfoReply.FromString,
                 _registered_method=True)
 
 
@@ -92,23 +92,23 @@ def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Start': grpc.unary_unary_rpc_method_handler(
                     servicer.Start,
-                    request_deserializer=proto_dot_speculative__pb2.StartRequest.FromString,
-                    response_serializer=proto_dot_speculative__pb2.StartReply.SerializeToString,
+                    request_deserializer=specserve_dot_proto_dot_speculative__pb2.StartRequest.FromString,
+                    response_serializer=specserve_dot_proto_dot_speculative__pb2.StartReply.SerializeToString,
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=proto_dot_speculative__pb2.ProposeRequest.FromString,
-                    response_serializer=proto_dot_speculative__pb2.ProposeReply.SerializeToString,
+                    request_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.FromString,
+                    response_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_speculative__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_speculative__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.FromString,
+                    response_serializer=specserve_dot_proto_dot_speculative__pb2.ReleaseReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=proto_dot_speculative__pb2.InfoRequest.FromString,
-                    response_serializer=proto_dot_speculative__pb2.InfoReply.SerializeToString,
+                    request_deserializer=specserve_dot_proto_dot_speculative__pb2.InfoRequest.FromString,
+                    response_serializer=specserve_dot_proto_dot_speculative__pb2.InfoReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,8 +136,8 @@ class Drafter:
             request,
             target,
             '/specserve.v1.Drafter/Start',
-            proto_dot_speculative__pb2.StartRequest.SerializeToString,
-            proto_dot_speculative__pb2.StartReply.FromString,
+            specserve_dot_proto_dot_speculative__pb2.StartRequest.SerializeToString,
+            specserve_dot_proto_dot_speculative__pb2.StartReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -163,8 +163,8 @@ class Drafter:
             request,
             target,
             '/specserve.v1.Drafter/Propose',
-            proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
-            proto_dot_speculative__pb2.ProposeReply.FromString,
+            specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
+            specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -190,8 +190,8 @@ class Drafter:
             request,
             target,
             '/specserve.v1.Drafter/Release',
-            proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_speculative__pb2.ReleaseReply.FromString,
+            specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
+            specserve_dot_proto_dot_speculative__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,8 +217,8 @@ class Drafter:
             request,
             target,
             '/specserve.v1.Drafter/Info',
-            proto_dot_speculative__pb2.InfoRequest.SerializeToString,
-            proto_dot_speculative__pb2.InfoReply.FromString,
+            specserve_dot_proto_dot_speculative__pb2.InfoRequest.SerializeToString,
+            specserve_dot_proto_dot_speculative__pb2.InfoReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory):
     """A saved tiny target/drafter pair sharing one tokenizer (what `specserve make-tiny-pair` writes)."""
-    from cluster.tiny import make_tiny_pair
+    from specserve.training.tiny import make_tiny_pair
     out = tmp_path_factory.mktemp("tiny_pair")
     target, drafter = make_tiny_pair(str(out), seed=0)
     return {"target": target, "drafter": drafter, "root": str(out)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy import stats
 
-from verifier_service.acceptance import accept
+from specserve.verifier.acceptance import accept
 
 
 def first_token_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -6,11 +6,11 @@ import threading
 import pytest
 import torch
 
-from cluster.tiny import tiny_model
-from drafter_service.proposer import DraftModelProposer
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams
-from verifier_service.engine import Overloaded, SpeculativeEngine
+from specserve.training.tiny import tiny_model
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams
+from specserve.verifier.engine import Overloaded, SpeculativeEngine
 
 V = 96
 NEAR_TIE = 1e-4

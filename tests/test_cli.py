@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from cluster.cli import main
-from cluster.tiny import make_tiny_pair, tiny_tokenizer
+from specserve.cli import main
+from specserve.training.tiny import make_tiny_pair, tiny_tokenizer
 
 
 def run_cli(args):
     """The real console entry point, in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -87,7 +87,7 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
+        [sys.executable, "-m", "specserve.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
          tiny_pair_dir["drafter"], "--port", str(port), "--host", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})  # its own Ray, not the tests'
@@ -106,3 +106,35 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "make-tiny-pair", "train-demo", "distill", "eval-demo",
+                                     "bench"])
+def test_every_subcommand_prints_its_own_help(command):
+    r = run_cli([command, "--help"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: specserve {command}"), r.stdout[:200]
+
+
+def test_pass_through_subcommands_take_their_options():
+    r = run_cli(["distill", "--target"])  # argparse of distill itself answers, not the top-level parser
+    assert r.returncode == 2 and "specserve distill" in r.stderr and "--target: expected one argument" in r.stderr
+
+
+def test_distill_a_drafter_for_a_tiny_target_then_generate_with_it(tiny_pair_dir, tmp_path):
+    """The README's `specserve distill --target P --out P`, end to end, on a tiny target."""
+    out = tmp_path / "drafter"
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
+    r = run_cli(["distill", "--target", tiny_pair_dir["target"], "--out", str(out), "--data", data,
+                 "--work-dir", str(tmp_path / "work"), "--steps", "2", "--minutes", "0", "--threads", "1",
+                 "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64", "--seq-len", "64",
+                 "--batch-size", "4", "--gen-tokens", "16", "--gen-pool", "8", "--eval-prompts", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    base = ["generate", "--target", tiny_pair_dir["target"], "--prompt", "def f(x):", "--max-tokens", "16",
+            "--json", "--threads", "1"]
+    spec = run_cli(base + ["--drafter", str(out), "-k", "3"])
+    plain = run_cli(base + ["--no-speculation"])
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["num_draft_tokens"] > 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli import DEFAULT_MODEL_DIR
+from specserve.config import DEFAULT_MODEL_DIR
 
 MODELS = Path(DEFAULT_MODEL_DIR)
 TARGET, DRAFTER = MODELS / "target", MODELS / "drafter"
@@ -30,8 +30,10 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines():
-    from verifier_service.engine import SpeculativeEngine, load_engine
-    spec = load_engine(str(TARGET), str(DRAFTER))
+    from specserve.builder import build_engine
+    from specserve.config import SpecServeConfig
+    from specserve.verifier.engine import SpeculativeEngine
+    spec = build_engine(SpecServeConfig(target=str(TARGET), drafter=str(DRAFTER), max_num_seqs=1))
     return spec, SpeculativeEngine(spec.target, None)
 
 
@@ -49,7 +51,7 @@ def test_loads_offline():
 
 def test_tokenizers_identical():
     from transformers import AutoTokenizer
-    from verifier_service.engine import same_tokenizer
+    from specserve.core.runner import same_tokenizer
     t = AutoTokenizer.from_pretrained(str(TARGET), local_files_only=True)
     d = AutoTokenizer.from_pretrained(str(DRAFTER), local_files_only=True)
     assert t.get_vocab() == d.get_vocab()
@@ -70,8 +72,8 @@ def test_total_size_fits():
 def test_greedy_speculation_equals_plain_target(engines):
     from transformers import AutoModelForCausalLM
 
-    from cluster.bench import heldout_prompts
-    from drafter_service.sampling import SamplingParams
+    from specserve.training.demo_pair import heldout_prompts
+    from specserve.core.sampling import SamplingParams
     spec, plain = engines
     prompts = heldout_prompts(MODELS, 10, 32, spec.target.tokenizer, seed=1)
     hf = None

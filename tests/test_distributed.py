@@ -8,11 +8,11 @@ import pytest
 import torch
 from scipy import stats
 
-from cluster.pair import SpeculativePair
-from cluster.tiny import make_tiny_pair, tiny_model, tiny_tokenizer
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams, warp
-from verifier_service.engine import SpeculativeEngine
+from specserve.cluster.pair import SpeculativePair
+from specserve.training.tiny import make_tiny_pair, tiny_model, tiny_tokenizer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams, warp
+from specserve.verifier.engine import SpeculativeEngine
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import pytest
 import torch
 from scipy import stats
 
-from cluster.tiny import tiny_model
-from drafter_service.proposer import DraftModelProposer
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams, warp
-from verifier_service.engine import SpeculativeEngine
+from specserve.training.tiny import tiny_model
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams, warp
+from specserve.verifier.engine import SpeculativeEngine
 
 V = 96
 NEAR_TIE = 1e-4

@@ -7,12 +7,13 @@ import grpc
 import pytest
 import torch
 
-from cluster.tiny import tiny_model
-from drafter_service.server import q_from_proto, q_to_proto, serve
-from drafter_service.sampling import SamplingParams, warp
-from proto import build
-from proto import speculative_pb2 as pb
-from proto import speculative_pb2_grpc as pb_grpc
+from specserve.training.tiny import tiny_model
+from specserve.drafter.server import serve
+from specserve.proto.codec import q_from_proto, q_to_proto
+from specserve.core.sampling import SamplingParams, warp
+from specserve.proto import build
+from specserve.proto import speculative_pb2 as pb
+from specserve.proto import speculative_pb2_grpc as pb_grpc
 
 V = 64
 
@@ -20,7 +21,7 @@ V = 64
 def test_committed_stubs_are_fresh(tmp_path):
     for fresh in build.generate(str(tmp_path)):
         committed = os.path.join(build.PROTO_DIR, os.path.basename(fresh))
-        assert filecmp.cmp(fresh, committed, shallow=False), f"{committed} is stale: run `python -m proto.build`"
+        assert filecmp.cmp(fresh, committed, shallow=False), f"{committed} is stale: run `python -m specserve.proto.build`"
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
@@ -104,7 +105,7 @@ def test_client_calls_carry_deadlines():
     import socket
     import time
 
-    from verifier_service.client import DrafterClient
+    from specserve.verifier.client import DrafterClient
     with socket.socket() as silent:  # accepts TCP connections, never speaks HTTP/2
         silent.bind(("127.0.0.1", 0))
         silent.listen()

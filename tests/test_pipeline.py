@@ -2,12 +2,12 @@
 
 import pytest
 
-from cluster.tiny import tiny_model
-from drafter_service.pipeline import PipelinedProposer
-from drafter_service.proposer import DraftModelProposer
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams
-from verifier_service.engine import SpeculativeEngine
+from specserve.training.tiny import tiny_model
+from specserve.drafter.pipeline import PipelinedProposer
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams
+from specserve.verifier.engine import SpeculativeEngine
 
 V = 96
 

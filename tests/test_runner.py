@@ -2,11 +2,12 @@
 
 import torch
 
-from cluster.tiny import tiny_model
-from drafter_service.proposer import DraftModelProposer
-from drafter_service.runner import ModelRunner, PositionLayer
-from drafter_service.sampling import SamplingParams
-from verifier_service.engine import SpeculativeEngine
+from specserve.training.tiny import tiny_model
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.core.kv_cache import PositionLayer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams
+from specserve.verifier.engine import SpeculativeEngine
 
 
 def full_logits(model, tokens):
@@ -47,10 +48,10 @@ def test_rollback_moves_a_length_not_data():
     fast = ModelRunner(tiny_model("llama", 64, seed=0))
     assert fast.fast is not None
     fast.prefill(list(range(50)))
-    ptr = fast.fast.k[0].data_ptr()
+    ptr = fast.fast.cache.k[0].data_ptr()
     fast.score([1, 2, 3, 4])
     fast.rollback(3)
-    assert fast.fast.k[0].data_ptr() == ptr and fast.length == 51
+    assert fast.fast.cache.k[0].data_ptr() == ptr and fast.length == 51
 
 
 def test_fast_llama_matches_hf_modules():
@@ -63,7 +64,7 @@ def test_fast_llama_matches_hf_modules():
 
 
 def test_fast_llama_batched_ragged_slots_match_single():
-    from drafter_service.fast_llama import FastLlama
+    from specserve.core.fast_llama import FastLlama
     model = tiny_model("llama", 64, seed=4)
     seqs = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 55)]
     batched = FastLlama(model, slots=3)

@@ -25,7 +25,7 @@ def free_port() -> int:
 def server(ray_session, tiny_pair_dir):
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from specserve.cluster.serve_app import build_app
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"], "k": 3,
@@ -193,7 +193,7 @@ def test_overload_is_a_503_with_retry_after(server, tiny_pair_dir):
     """One slot and no queue: while a stream holds the slot, another request is refused, not lost."""
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from specserve.cluster.serve_app import build_app
     serve.run(build_app({"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"],
                          "max_num_seqs": 1, "max_waiting": 0, "cpus_per_actor": 1}), name="small",
               route_prefix="/small")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from cluster import demo_pair
+from specserve.training import demo_pair
 
 TINY = [
     "--threads", "1", "--max-files", "25", "--vocab", "512", "--seq-len", "64", "--batch-size", "4",

@@ -2,7 +2,7 @@
 
 Given k drafted tokens x_1..x_k, the drafter's distributions q_1..q_k they were drawn from and
 the target's distributions p_1..p_{k+1} at the same positions (all warped by the same
-`drafter_service.sampling.warp`):
+`specserve.core.sampling.warp`):
 
 - x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), scanning left to right;
 - at the first rejection, the token written instead is drawn from normalise((p_i - q_i)+);
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from drafter_service.sampling import sample
+from specserve.core.sampling import sample
 
 
 def accept(

@@ -1,5 +1,6 @@
-"""The verifier as a Ray actor: owns the target runner, is a gRPC client of the drafter, and runs
-the engine's continuous-batching loop (batched scoring, exact acceptance, per-slot KV rollback)."""
+"""The verifier as a Ray actor: the target runner and the engine's continuous-batching loop
+(batched scoring, exact acceptance, per-slot KV rollback), drafting over gRPC from the pair's
+drafter. Built by `specserve.builder.build_engine`, like every other verifier."""
 
 from __future__ import annotations
 
@@ -8,24 +9,17 @@ import ray
 
 @ray.remote
 class VerifierActor:
-    def __init__(self, target_path: str, drafter_address: str | None, threads: int = 1, max_num_seqs: int = 8,
-                 max_waiting: int = 64, max_model_len: int | None = None):
+    def __init__(self, config: dict, drafter_address: str | None):
         import torch
         from transformers.utils import logging as hf_logging
 
-        from drafter_service.runner import ModelRunner
-        from verifier_service.client import DrafterClient, RemoteProposer
-        from verifier_service.engine import SpeculativeEngine
+        from specserve.builder import build_engine
+        from specserve.config import SpecServeConfig
 
-        torch.set_num_threads(threads)
+        cfg = SpecServeConfig.from_dict(config)
+        torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
-        target = ModelRunner.from_pretrained(target_path, name="target", slots=max_num_seqs)
-        proposer = RemoteProposer(DrafterClient(drafter_address)) if drafter_address else None
-        if proposer is not None and proposer.vocab_size != target.vocab_size:
-            raise ValueError(f"drafter vocabulary ({proposer.vocab_size}) differs from the target's "
-                             f"({target.vocab_size})")
-        self.engine = SpeculativeEngine(target, proposer, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                        max_model_len=max_model_len)
+        self.engine = build_engine(cfg, drafter_address)
         self.engine.start()
 
     def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int,
@@ -35,7 +29,7 @@ class VerifierActor:
         Overloaded when the queue is full."""
         import time
 
-        from drafter_service.sampling import SamplingParams
+        from specserve.core.sampling import SamplingParams
 
         start = time.monotonic()
         req = self.engine.submit(prompt_ids, max_new_tokens, SamplingParams(**sampling), k, request_id=request_id,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import grpc
 import torch
 
-from drafter_service.proposer import Draft, ProposeItem, Proposer
-from drafter_service.sampling import SamplingParams
-from drafter_service.server import q_from_proto
-from proto import speculative_pb2 as pb
-from proto import speculative_pb2_grpc as pb_grpc
+from specserve.core.proposer import Draft, ProposeItem, Proposer
+from specserve.core.sampling import SamplingParams
+from specserve.proto import speculative_pb2 as pb
+from specserve.proto import speculative_pb2_grpc as pb_grpc
+from specserve.proto.codec import q_from_proto, sampling_to_proto
 
 DEFAULT_DEADLINE_S = 30.0
 
@@ -47,10 +47,8 @@ class RemoteProposer(Proposer):
         self.rounds: dict[str, int] = {}
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        sampling = pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                               seed=params.seed)
         self.client.call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=seq_id, prompt_ids=prompt_ids,
-                                                                      sampling=sampling)]))
+                                                                      sampling=sampling_to_proto(params))]))
         self.rounds[seq_id] = 0
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:

@@ -22,10 +22,10 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from drafter_service.proposer import Draft, DraftModelProposer, ProposeItem, Proposer
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams, request_generator, warp
-from verifier_service.acceptance import accept
+from specserve.core.proposer import Draft, ProposeItem, Proposer
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams, request_generator, warp
+from specserve.verifier.acceptance import accept
 
 
 @dataclass
@@ -312,21 +312,3 @@ class SpeculativeEngine:
         req.done.set()
         if req.on_finish is not None:
             req.on_finish(req)
-
-
-def same_tokenizer(a, b) -> bool:
-    """Speculation compares token ids, so drafter and target must share one vocabulary."""
-    return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
-
-
-def load_engine(target_path: str, drafter_path: str | None, max_num_seqs: int = 1, **engine_kwargs) -> SpeculativeEngine:
-    """Loads a target (and drafter) from local HF folders; raises ModelLoadError or ValueError."""
-    target = ModelRunner.from_pretrained(target_path, name="target", slots=max_num_seqs)
-    proposer = None
-    if drafter_path is not None:
-        drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=max_num_seqs)
-        if not same_tokenizer(target.tokenizer, drafter.tokenizer):
-            raise ValueError(f"the drafter's tokenizer ({drafter_path}) differs from the target's ({target_path}); "
-                             "speculative decoding needs one shared vocabulary")
-        proposer = DraftModelProposer(drafter)
-    return SpeculativeEngine(target, proposer, max_num_seqs=max_num_seqs, **engine_kwargs)

@@ -15,10 +15,10 @@ engine per process). Setup (once):
 
 Run from the repository root:
 
-    /tmp/vllm-venv/bin/python cluster/bench_vllm.py --prompts 10 --repeats 3
+    /tmp/vllm-venv/bin/python benchmarks/vllm_peer.py --prompts 10 --repeats 3
 
 The prompts are made by the project's own venv (`--project-python`, default .venv/bin/python)
-with cluster.bench.heldout_prompts, or read from --prompts-file (a JSON list of token-id lists).
+with specserve.training.demo_pair.heldout_prompts, or read from --prompts-file (a JSON list of token-id lists).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ ROWS = {
 }
 
 PROMPT_SNIPPET = (
-    "from pathlib import Path; import json, sys; from cluster.bench import heldout_prompts; "
-    "from drafter_service.runner import load_tokenizer; "
+    "from pathlib import Path; import json, sys; from specserve.training.demo_pair import heldout_prompts; "
+    "from specserve.core.runner import load_tokenizer; "
     "m = Path(sys.argv[1]); "
     "print(json.dumps(heldout_prompts(m, int(sys.argv[2]), int(sys.argv[3]), load_tokenizer(str(m / 'target')))))"
 )
@@ -192,7 +192,7 @@ def main() -> None:
         return
 
     argv = [a for a in sys.argv[1:]]
-    command = "python cluster/bench_vllm.py" + ("" if not argv else " " + shlex.join(argv))
+    command = "python benchmarks/vllm_peer.py" + ("" if not argv else " " + shlex.join(argv))
     prompts = get_prompts(args)
     env = dict(os.environ)
     env.update({

@@ -6,15 +6,17 @@ copy) through a handful of tensor ops per layer, in the style of gpt-fast. The M
 for `LlamaForCausalLM` checkpoints it can represent exactly (plain RoPE, SiLU MLP) and falls back
 to HF otherwise; the tests compare it with HF's own `generate`.
 
-KV cache: per layer, K and V buffers [slots, kv_heads, capacity, head_dim] and, per slot, a
-length. Writing appends at [length, length + n); rollback moves the length back. Attention reads
-only [0, max length in the batch) with a mask, so cost follows the live lengths, not the capacity.
+KV cache: a `kv_cache.SlotKVCache`. Writing appends at [length, length + n); rollback moves the
+length back. Attention reads only [0, max length in the batch) with a mask, so cost follows the
+live lengths, not the capacity.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specserve.core.kv_cache import SlotKVCache
 
 
 def supports(model) -> bool:
@@ -46,30 +48,8 @@ class FastLlama:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
         self.slots = slots
-        self.lengths = [0] * slots
-        self.k = [self._buffer(slots, capacity) for _ in self.layers]
-        self.v = [self._buffer(slots, capacity) for _ in self.layers]
-
-    def _buffer(self, slots, capacity):
-        return self.embed.new_zeros(slots, self.kv_heads, capacity, self.head_dim)
-
-    def _ensure_capacity(self, needed: int) -> None:
-        capacity = self.k[0].shape[2]
-        if needed <= capacity:
-            return
-        capacity = min(max(needed, 2 * capacity), self.max_length)
-        for buffers in (self.k, self.v):
-            for i, old in enumerate(buffers):
-                new = self._buffer(self.slots, capacity)
-                new[:, :, : old.shape[2]] = old
-                buffers[i] = new
-
-    # ---------------------------------------------------------------- cache bookkeeping
-    def reset(self, slot: int = 0) -> None:
-        self.lengths[slot] = 0
-
-    def rollback(self, n: int, slot: int = 0) -> None:
-        self.lengths[slot] -= n
+        self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
+                                 like=self.embed, capacity=capacity)
 
     # ---------------------------------------------------------------- forward
     def _rms(self, x, w, eps):
@@ -89,11 +69,12 @@ class FastLlama:
         Returns, per sequence, logits [len(tokens[i]), V] (or [1, V] with last_only)."""
         n = [len(t) for t in tokens]
         b, t = len(tokens), max(n)
-        start = torch.tensor([self.lengths[s] for s in slots])
-        end = max(self.lengths[s] + m for s, m in zip(slots, n))
+        lengths = self.cache.lengths
+        start = torch.tensor([lengths[s] for s in slots])
+        end = max(lengths[s] + m for s, m in zip(slots, n))
         if end > self.max_length:
             raise ValueError(f"sequence would exceed the context of {self.max_length} tokens")
-        self._ensure_capacity(end)
+        self.cache.ensure_capacity(end)
         ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens])
         pos = start[:, None] + torch.arange(t)[None, :]  # [b, t]
         pos_c = pos.clamp(max=self.max_length - 1)
@@ -111,7 +92,7 @@ class FastLlama:
             k = F.linear(h, attn.k_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             v = F.linear(h, attn.v_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            kb, vb = self.k[li], self.v[li]
+            kb, vb = self.cache.k[li], self.cache.v[li]
             if single:
                 s0 = int(start[0])
                 kb[0, :, s0:s0 + t] = k[0]
@@ -134,7 +115,7 @@ class FastLlama:
                              mlp.down_proj.weight)
         x = self._rms(x, self.norm_w, self.eps)
         for s, m in zip(slots, n):
-            self.lengths[s] += m
+            lengths[s] += m
         if last_only:
             x = torch.stack([x[i, m - 1] for i, m in enumerate(n)])[:, None]
             return [row.float() for row in F.linear(x, self.lm_head)]

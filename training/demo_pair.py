@@ -1,6 +1,6 @@
 """Train the embedded demo pair: a small code-completion target and its distilled drafter.
 
-``specserve train-demo`` (``python -m cluster.demo_pair``) runs, from nothing but the Python
+``specserve train-demo`` (``python -m specserve.training.demo_pair``) runs, from nothing but the Python
 standard library of the running interpreter:
 
 1. corpus + split: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` except test
@@ -10,7 +10,7 @@ standard library of the running interpreter:
    ``<|endoftext|>`` (also the document separator);
 3. target pretraining (``LlamaForCausalLM``, ~14M params) on the pre-tokenized train split
    (cached in the work dir), saved to ``<out>/target``;
-4. the drafter, by running ``python -m drafter_service.distill`` on the saved target: the same
+4. the drafter, by running ``python -m specserve.training.distill`` on the saved target: the same
    command any user runs for their own target; saved to ``<out>/drafter``.
 
 Every stage checkpoints into ``--work-dir`` and a rerun with the same work dir resumes
@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from drafter_service.distill import (count_params, files_from_split, load_causal_lm, load_token_stream,
+from specserve.training.distill import (count_params, files_from_split, load_causal_lm, load_token_stream,
                                      log, make_llama, read_text, save_hf, tokenize_files, train_loop,
                                      ce_loss_fn, tune_malloc)
 
@@ -98,6 +98,27 @@ def write_split(path: str | os.PathLike, split: dict) -> None:
 def heldout_files(split_json_path: str | os.PathLike) -> list[str]:
     """Absolute paths of the held-out files of a ``split.json`` (prompts for evaluation)."""
     return files_from_split(split_json_path, "heldout")
+
+
+def heldout_prompts(model_dir: Path, n: int, prompt_tokens: int, tokenizer, seed: int = 0) -> list[list[int]]:
+    """Prompts from held-out stdlib files (demo pair), starting at random line starts."""
+    split = model_dir / "split.json"
+    if not split.exists():
+        rng = random.Random(seed)
+        return [[rng.randrange(tokenizer.vocab_size) for _ in range(prompt_tokens)] for _ in range(n)]
+    rng = random.Random(seed)
+    files = sorted(heldout_files(str(split)))
+    prompts = []
+    while len(prompts) < n:
+        with open(rng.choice(files), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines(keepends=True)
+        if len(lines) < 20:
+            continue
+        start = rng.randrange(0, len(lines) - 10)
+        ids = tokenizer("".join(lines[start:start + 60]))["input_ids"][:prompt_tokens]
+        if len(ids) == prompt_tokens:
+            prompts.append(ids)
+    return prompts
 
 
 def train_files(split_json_path: str | os.PathLike) -> list[str]:
@@ -188,7 +209,7 @@ def pretrain_target(tokenizer, stream: torch.Tensor, out_dir: str, work_dir: str
 def _check_saved(path: str, tokenizer) -> None:
     """Reload a saved model in fp32 and greedily continue a short code prompt."""
     from transformers import AutoTokenizer
-    from drafter_service.distill import generate
+    from specserve.training.distill import generate
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     m = load_causal_lm(path)
     ids = torch.tensor([tok("def main():\n    ", add_special_tokens=False)["input_ids"]])
@@ -225,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
-    d = p.add_argument_group("drafter (passed to python -m drafter_service.distill)")
+    d = p.add_argument_group("drafter (passed to python -m specserve.training.distill)")
     d.add_argument("--skip-drafter", action="store_true")
     d.add_argument("--loss", choices=["kl", "ce"], default="kl")
     d.add_argument("--drafter-hidden", type=int, default=192)
@@ -298,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.max_files:  # the same slice as the target
             data_arg = "@" + str(work / "train_files.txt")
             (work / "train_files.txt").write_text("".join(f + "\n" for f in files))
-        cmd = [sys.executable, "-m", "drafter_service.distill", "--target", target_dir,
+        cmd = [sys.executable, "-m", "specserve.training.distill", "--target", target_dir,
                "--out", str(out / "drafter"), "--data", data_arg, "--eval-data", str(split_path),
                "--work-dir", str(work / "drafter"), "--loss", args.loss,
                "--hidden", str(args.drafter_hidden), "--layers", str(args.drafter_layers),

@@ -1,10 +1,9 @@
-"""Proposers: what suggests the k draft tokens, behind one small interface (as vLLM's
-`spec_decode` proposers and HF's `CandidateGenerator`).
+"""The draft-model proposer: a small causal LM drafts k tokens per sequence, q = warp(logits).
 
-A proposer holds sequences by id. On every call it is told, per sequence, only which tokens were
-committed since its last call; it works out how much of its cached drafting survived, rolls the
-rest back, and drafts. It never needs to know the acceptance rule. Calls are batched: one
-`propose` serves every active sequence of a round.
+It holds one KV-cache slot per live sequence in a `ModelRunner`. On each call it is told which
+tokens were committed since its last call, rolls its cache back to the longest prefix that agrees
+with them, feeds the rest and drafts; all sequences of a call advance together (one batched
+drafter pass per drafted position).
 """
 
 from __future__ import annotations
@@ -13,49 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter_service.runner import ModelRunner
-from drafter_service.sampling import SamplingParams, request_generator, sample, warp
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: torch.Tensor | None  # [k, V] q the tokens were sampled from; None when greedy
-    pipeline_hit: bool = False  # prepared while the previous round was being verified
-
-
-@dataclass
-class ProposeItem:
-    seq_id: str
-    new_tokens: list[int]  # committed since the previous propose (or since start)
-    k: int
-
-
-class CapacityError(RuntimeError):
-    """No free sequence slot."""
-
-
-def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
-    n = start
-    limit = min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
-class Proposer:
-    """Interface: start a sequence, propose k tokens after newly committed ones, release."""
-
-    max_length: int = 1 << 30  # longest sequence the proposer can hold
-
-    def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        raise NotImplementedError
-
-    def propose(self, items: list[ProposeItem]) -> list[Draft]:
-        raise NotImplementedError
-
-    def release(self, seq_id: str) -> None:
-        pass
+from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer, common_prefix_len
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams, request_generator, sample, warp
 
 
 @dataclass
@@ -69,8 +28,7 @@ class _Seq:
 
 
 class DraftModelProposer(Proposer):
-    """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings.
-    All sequences of a call advance together: one batched drafter pass per drafted position."""
+    """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
+from specserve.config import DEFAULT_MODEL_DIR, SpecServeConfig
 
 
 class CLIError(Exception):
@@ -58,7 +57,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args, stop_token_ids=()):
-    from drafter_service.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               stop_token_ids=tuple(stop_token_ids))
@@ -69,8 +68,8 @@ def sampling_from_args(args, stop_token_ids=()):
 def cmd_generate(args) -> int:
     import torch
 
-    from drafter_service.runner import ModelLoadError
-    from verifier_service.engine import load_engine
+    from specserve.builder import build_engine, check_pair
+    from specserve.core.runner import ModelLoadError
 
     if args.k < 0:
         raise CLIError(f"-k must be >= 0, got {args.k}")
@@ -79,22 +78,19 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed:
-        from cluster.pair import generate_distributed
-        from drafter_service.runner import load_tokenizer
-        from verifier_service.engine import same_tokenizer
-        try:  # check paths and the shared vocabulary here, before any actor starts
-            if drafter is not None and not same_tokenizer(load_tokenizer(target), load_tokenizer(drafter)):
-                raise CLIError(f"the drafter's tokenizer ({drafter}) differs from the target's ({target})")
+        from specserve.cluster.pair import generate_distributed
+        try:  # generate_distributed checks paths and the shared vocabulary before any actor starts
             result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
                                                      args.k, pipeline=not args.no_pipeline)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
     else:
         try:
-            engine = load_engine(target, drafter)
+            cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1)
+            tokenizer = check_pair(cfg)
+            engine = build_engine(cfg)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
-        tokenizer = engine.target.tokenizer
         prompt_ids = tokenizer(args.prompt)["input_ids"]
         t0 = time.perf_counter()
         try:
@@ -140,7 +136,9 @@ def cmd_serve(args) -> int:
     import signal
     import threading
 
-    from cluster.serve_app import AppConfig, build_app
+    from specserve.builder import check_pair
+    from specserve.core.runner import ModelLoadError
+
     app_args = load_app_args(args.config)
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs"):
         if getattr(args, key) is not None:
@@ -148,21 +146,15 @@ def cmd_serve(args) -> int:
     if args.no_speculation:
         app_args["drafter"] = None
     try:
-        cfg = AppConfig.from_args(app_args)
-    except (TypeError, ValueError) as e:
-        raise CLIError(str(e)) from None
-    from drafter_service.runner import ModelLoadError, load_tokenizer
-    from verifier_service.engine import same_tokenizer
-    try:  # fail fast, here, on a wrong path or a mismatched pair
-        tok = load_tokenizer(cfg.target)
-        if cfg.drafter and not same_tokenizer(tok, load_tokenizer(cfg.drafter)):
-            raise CLIError(f"the drafter's tokenizer ({cfg.drafter}) differs from the target's ({cfg.target})")
-    except ModelLoadError as e:
+        cfg = SpecServeConfig.from_dict(app_args)
+        check_pair(cfg)  # fail fast, here, on a wrong path or a mismatched pair
+    except (TypeError, ValueError, ModelLoadError) as e:
         raise CLIError(str(e)) from None
     import ray
     from ray import serve
 
-    from cluster.pair import ensure_ray
+    from specserve.cluster.pair import ensure_ray
+    from specserve.cluster.serve_app import build_app
     ensure_ray()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
@@ -184,10 +176,29 @@ def cmd_serve(args) -> int:
 
 
 def cmd_make_tiny_pair(args) -> int:
-    from cluster.tiny import make_tiny_pair
+    make_tiny_pair = _import("specserve.training.tiny").make_tiny_pair
     target, drafter = make_tiny_pair(args.out, seed=args.seed)
     print(f"wrote {target} and {drafter}")
     return 0
+
+
+# Subcommands with their own argument parsers: `specserve NAME ARGS...` runs MODULE.main(ARGS).
+PASSTHROUGH = {
+    "train-demo": ("specserve.training.demo_pair", "train the embedded demo pair from the stdlib"),
+    "distill": ("specserve.training.distill", "distill a drafter for a target"),
+    "eval-demo": ("specserve.training.eval_demo", "measure the demo pair on held-out code"),
+    "bench": ("specserve.benchmarks.bench", "run a benchmark and write its results"),
+}
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):  # e.g. a serving image, which ships no training code
+            raise CLIError(f"{module} is not installed here (serving images hold no training or benchmark "
+                           "code): run this from a checkout of the repository") from None
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,13 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny_pair)
 
-    for name, module, help_ in (("train-demo", "cluster.demo_pair", "train the embedded demo pair from the stdlib"),
-                                ("distill", "drafter_service.distill", "distill a drafter for a target"),
-                                ("bench", "cluster.bench", "run a benchmark and write its results"),
-                                ("eval-demo", "cluster.eval_demo", "measure the demo pair on held-out code")):
-        d = sub.add_parser(name, help=help_, add_help=False)
-        d.add_argument("rest", nargs=argparse.REMAINDER)
-        d.set_defaults(func=lambda a, m=module: __import__(m, fromlist=["main"]).main(a.rest) or 0)
+    for name, (module, help_) in PASSTHROUGH.items():  # listed here; run by main() with their own parsers
+        sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
@@ -245,6 +251,9 @@ def quiet_transformers() -> None:
 def main(argv=None) -> int:
     try:
         quiet_transformers()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if argv and argv[0] in PASSTHROUGH:
+            return _import(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0
         args = build_parser().parse_args(argv)
         return args.func(args)
     except CLIError as e:

@@ -1,15 +1,11 @@
-"""A model runner: one Hugging Face causal LM, one sequence, one KV cache with O(1) rollback.
+"""A model runner: one Hugging Face causal LM over a number of sequence slots, each with a KV
+cache that rolls back in O(1) (see `kv_cache`).
 
 Both sides use it: the drafter (to propose and to get q) and the verifier (to score k+1
 positions in one pass and get p). Llama checkpoints run through `fast_llama` (a lean forward
-over the same weights, with its own slot cache: rollback moves a length); every other
-architecture runs through HF's modules with the cache below.
-
-The HF-path cache is position-indexed, as in gpt-fast: each layer owns a preallocated K/V buffer and a
-length. Appending writes into the buffer at [length, length + n); rollback only moves the
-length back. Nothing is recomputed and nothing is copied, whatever the sequence length (the
-buffer doubles when full, which is amortised O(1) per token). Unlike HF's StaticCache, attention
-runs over the valid prefix only (a view of the buffer), so it costs what DynamicCache costs.
+over the same weights, with a `SlotKVCache`); every other architecture runs through HF's modules
+with a `PositionLayer` cache per slot. Loading (models and tokenizers, from local folders only)
+and the shared-vocabulary check are here too.
 """
 
 from __future__ import annotations
@@ -18,65 +14,15 @@ import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from drafter_service.fast_llama import FastLlama
-from drafter_service.fast_llama import supports as fast_llama_supports
+from specserve.core.fast_llama import FastLlama
+from specserve.core.fast_llama import supports as fast_llama_supports
+from specserve.core.kv_cache import PositionLayer
 
 
 class ModelLoadError(ValueError):
     """A model or tokenizer path that cannot be loaded."""
-
-
-class PositionLayer(DynamicLayer):
-    """One layer's K/V: a preallocated buffer [batch, heads, capacity, head_dim] and a length."""
-
-    initial_capacity = 256
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.length = 0
-        self._k = key_states.new_zeros(self._shape(key_states, self.initial_capacity))
-        self._v = value_states.new_zeros(self._shape(value_states, self.initial_capacity))
-        self.is_initialized = True
-
-    @staticmethod
-    def _shape(states: torch.Tensor, capacity: int) -> tuple[int, ...]:
-        return (*states.shape[:-2], capacity, states.shape[-1])
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self._k.shape[-2])
-        for name in ("_k", "_v"):
-            old = getattr(self, name)
-            new = old.new_zeros(self._shape(old, capacity))
-            new[..., : self.length, :] = old[..., : self.length, :]
-            setattr(self, name, new)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self._k.shape[-2]:
-            self._grow(end)
-        self._k[..., self.length : end, :] = key_states
-        self._v[..., self.length : end, :] = value_states
-        self._set_length(end)
-        return self.keys, self.values
-
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys = self._k[..., :length, :]
-        self.values = self._v[..., :length, :]
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """HF convention (transformers 5.x): a negative count of tokens to remove."""
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number: the count of tokens to remove")
-        if self.is_initialized and tokens_to_remove:
-            self._set_length(self.length + tokens_to_remove)
 
 
 def load_tokenizer(path: str):
@@ -85,6 +31,11 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def same_tokenizer(a, b) -> bool:
+    """Speculation compares token ids, so drafter and target must share one vocabulary."""
+    return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
 
 
 def _check_dir(path: str) -> None:
@@ -129,7 +80,7 @@ class ModelRunner:
     def seq_length(self, slot: int = 0) -> int:
         """Number of cached positions of a slot."""
         if self.fast is not None:
-            return self.fast.lengths[slot]
+            return self.fast.cache.lengths[slot]
         cache = self.caches[slot]
         return cache.get_seq_length() if cache is not None else 0
 
@@ -146,7 +97,7 @@ class ModelRunner:
         """Start a sequence in `slot`: a fresh cache holding `prompt_ids`. Returns the last logits."""
         self.started[slot] = True
         if self.fast is not None:
-            self.fast.reset(slot)
+            self.fast.cache.reset(slot)
         else:
             self.caches[slot] = Cache(layer_class_to_replicate=PositionLayer)
         if not prompt_ids:
@@ -182,7 +133,7 @@ class ModelRunner:
         if n < 0 or n > self.seq_length(slot):
             raise ValueError(f"cannot roll back {n} of {self.seq_length(slot)} cached positions")
         if n and self.fast is not None:
-            self.fast.rollback(n, slot)
+            self.fast.cache.rollback(n, slot)
         elif n:
             self.caches[slot].crop(-n)
 
@@ -190,4 +141,4 @@ class ModelRunner:
         self.caches[slot] = None
         self.started[slot] = False
         if self.fast is not None:
-            self.fast.reset(slot)
+            self.fast.cache.reset(slot)

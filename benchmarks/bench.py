@@ -23,31 +23,10 @@ from pathlib import Path
 
 import torch
 
-from cluster.cli import DEFAULT_MODEL_DIR, REPO_ROOT
+from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
+from specserve.training.demo_pair import heldout_prompts
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
-
-
-def heldout_prompts(model_dir: Path, n: int, prompt_tokens: int, tokenizer, seed: int = 0) -> list[list[int]]:
-    """Prompts from held-out stdlib files (demo pair), starting at random line starts."""
-    split = model_dir / "split.json"
-    if not split.exists():
-        rng = random.Random(seed)
-        return [[rng.randrange(tokenizer.vocab_size) for _ in range(prompt_tokens)] for _ in range(n)]
-    from cluster.demo_pair import heldout_files
-    rng = random.Random(seed)
-    files = sorted(heldout_files(str(split)))
-    prompts = []
-    while len(prompts) < n:
-        with open(rng.choice(files), encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines(keepends=True)
-        if len(lines) < 20:
-            continue
-        start = rng.randrange(0, len(lines) - 10)
-        ids = tokenizer("".join(lines[start:start + 60]))["input_ids"][:prompt_tokens]
-        if len(ids) == prompt_tokens:
-            prompts.append(ids)
-    return prompts
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
@@ -70,7 +49,7 @@ def time_target_pass(runner, prompt: list[int], n_tokens: int, reps: int = 30) -
 
 def measure(generate, prompts, max_tokens: int, k: int) -> dict:
     """One pass over all prompts (greedy): throughput and speculation statistics."""
-    from drafter_service.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
     tokens = passes = drafts = accepted = drafted = hits = 0
     t0 = time.perf_counter()
     for p in prompts:
@@ -91,7 +70,7 @@ def measure(generate, prompts, max_tokens: int, k: int) -> dict:
 def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict:
     """rows: name -> factory() returning (generate, close); generate(prompt_ids, max_tokens, sampling, k)
     returns a GenerationResult. Rows run one after another, each on its own resources."""
-    from drafter_service.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
     results = {}
     for name, factory in rows.items():
         generate, close = factory()
@@ -111,10 +90,10 @@ def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict
 
 
 def bench_distributed(args) -> dict:
-    from cluster.pair import SpeculativePair
-    from drafter_service.proposer import DraftModelProposer
-    from drafter_service.runner import ModelRunner
-    from verifier_service.engine import SpeculativeEngine
+    from specserve.cluster.pair import SpeculativePair
+    from specserve.core.runner import ModelRunner
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.verifier.engine import SpeculativeEngine
 
     torch.set_num_threads(1)
     model_dir = Path(args.models)
@@ -162,9 +141,9 @@ def bench_batching(args) -> dict:
     (k = 0 through the same loop) and batched speculation, sequential and pipelined."""
     import ray
 
-    from cluster.pair import SpeculativePair
-    from drafter_service.runner import load_tokenizer
-    from drafter_service.sampling import SamplingParams
+    from specserve.cluster.pair import SpeculativePair
+    from specserve.core.runner import load_tokenizer
+    from specserve.core.sampling import SamplingParams
 
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")

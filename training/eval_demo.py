@@ -1,11 +1,11 @@
-"""Evaluate a target/drafter pair on held-out code: `specserve eval-demo` (`python -m cluster.eval_demo`).
+"""Evaluate a target/drafter pair on held-out code: `specserve eval-demo` (`python -m specserve.training.eval_demo`).
 
 Everything runs in process with ONE torch thread, on prompts taken from the held-out stdlib
-modules of the pair's ``split.json`` (``cluster.bench.heldout_prompts``; a folder without a
+modules of the pair's ``split.json`` (``specserve.training.demo_pair.heldout_prompts``; a folder without a
 split, e.g. a tiny random pair, falls back to random token ids). Sections (``--sections``):
 
 * ``loss``     held-out next-token loss / perplexity of the target and the drafter(s)
-               (``cluster.demo_pair.heldout_loss``, first ``--loss-tokens`` held-out tokens);
+               (``specserve.training.demo_pair.heldout_loss``, first ``--loss-tokens`` held-out tokens);
 * ``greedy``   greedy acceptance rate (accepted / drafted draft tokens, totals over all prompts)
                and mean acceptance length (1 + accepted / drafted rounds) for each k in ``--ks``;
 * ``sampled``  the same at ``--temperature`` / ``--top-p`` with fixed per-prompt seeds;
@@ -33,8 +33,9 @@ from typing import Sequence
 
 import torch
 
-from cluster.bench import heldout_prompts, ideal_speedup, measure, time_target_pass
-from cluster.cli import DEFAULT_MODEL_DIR, REPO_ROOT
+from specserve.benchmarks.bench import ideal_speedup, measure, time_target_pass
+from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
+from specserve.training.demo_pair import heldout_prompts
 
 SECTIONS = ("loss", "greedy", "sampled", "speed", "compare", "samples")
 DEFAULT_OUT = REPO_ROOT / "docs" / "demo-models.json"
@@ -76,7 +77,7 @@ def acceptance_stats(engine, prompts: list[list[int]], max_tokens: int, k: int, 
 def speed_rows(plain, spec, prompts: list[list[int]], max_tokens: int, ks: Sequence[int], repeats: int) -> dict:
     """Greedy tokens/s of plain decoding and of speculation at each k; medians over ``repeats``
     passes, rows interleaved within each pass (one warm-up generate per row first)."""
-    from drafter_service.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
     rows = {"plain (k=0)": (plain.generate, 0)}
     rows.update({f"speculative k={k}": (spec.generate, k) for k in ks})
     for gen, k in rows.values():
@@ -107,7 +108,7 @@ def count_params(runner) -> int:
 
 
 def _sampling(temperature: float, top_p: float, seed: int):
-    from drafter_service.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
     if temperature == 0:
         return lambda i: SamplingParams()
     return lambda i: SamplingParams(temperature=temperature, top_p=top_p, seed=seed + i)
@@ -116,10 +117,11 @@ def _sampling(temperature: float, top_p: float, seed: int):
 # ----------------------------------------------------------------------------- the evaluation
 
 def evaluate(args) -> dict:
-    from drafter_service.proposer import DraftModelProposer
-    from drafter_service.runner import ModelRunner
-    from drafter_service.sampling import SamplingParams
-    from verifier_service.engine import SpeculativeEngine, load_engine, same_tokenizer
+    from specserve.builder import build_engine
+    from specserve.core.sampling import SamplingParams
+    from specserve.core.runner import ModelRunner, same_tokenizer
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.verifier.engine import SpeculativeEngine
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()
@@ -131,7 +133,7 @@ def evaluate(args) -> dict:
     if not args.compare_drafter:
         sections.discard("compare")
 
-    spec = load_engine(target_path, drafter_path)
+    spec = build_engine(SpecServeConfig(target=target_path, drafter=drafter_path, max_num_seqs=1))
     plain = SpeculativeEngine(spec.target, None)
     tok = spec.target.tokenizer
     prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, tok, seed=args.seed)
@@ -161,7 +163,7 @@ def evaluate(args) -> dict:
 
     if "loss" in sections:
         if split.exists():
-            from cluster.demo_pair import heldout_loss
+            from specserve.training.demo_pair import heldout_loss
             report["heldout_loss"] = {}
             paths = [("target", target_path), ("drafter", drafter_path)]
             if args.compare_drafter:
@@ -348,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     report = evaluate(args)
-    report["command"] = "python -m cluster.eval_demo " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = "python -m specserve.training.eval_demo " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = report["command"].rstrip()
     md = markdown(report)
     print(md)

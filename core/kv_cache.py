@@ -1,0 +1,106 @@
+"""The KV caches, and their O(1) rollback. Position-indexed, as in gpt-fast: a preallocated
+buffer per layer and a length per sequence. Appending writes at [length, length + n); rolling back
+n rejected draft positions only moves the length back: nothing is recomputed or copied, whatever
+the sequence length. Buffers double when full (amortised O(1) per token).
+
+- `SlotKVCache`: the lean Llama forward's cache (`fast_llama`), K and V
+  [slots, kv_heads, capacity, head_dim] per layer and a length per slot, so one batched pass
+  serves several sequences (continuous batching).
+- `PositionLayer`: the same idea as a Hugging Face cache layer, for architectures that run
+  through HF's own modules (one `Cache` per slot). Unlike HF's StaticCache, attention runs over
+  the valid prefix only (a view of the buffer), so it costs what DynamicCache costs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class SlotKVCache:
+    """Per layer, K and V buffers [slots, kv_heads, capacity, head_dim]; per slot, a length."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, max_length: int,
+                 like: torch.Tensor, capacity: int = 256):
+        self.slots, self.kv_heads, self.head_dim, self.max_length = slots, kv_heads, head_dim, max_length
+        self._like = like  # buffers take its dtype and device
+        self.lengths = [0] * slots
+        self.k = [self._buffer(capacity) for _ in range(num_layers)]
+        self.v = [self._buffer(capacity) for _ in range(num_layers)]
+
+    def _buffer(self, capacity: int) -> torch.Tensor:
+        return self._like.new_zeros(self.slots, self.kv_heads, capacity, self.head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grows every buffer (doubling, up to max_length) so positions [0, needed) fit."""
+        capacity = self.capacity
+        if needed <= capacity:
+            return
+        capacity = min(max(needed, 2 * capacity), self.max_length)
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                new = self._buffer(capacity)
+                new[:, :, : old.shape[2]] = old
+                buffers[i] = new
+
+    def reset(self, slot: int = 0) -> None:
+        self.lengths[slot] = 0
+
+    def rollback(self, n: int, slot: int = 0) -> None:
+        """Forgets the last n positions of a slot: only its length moves."""
+        self.lengths[slot] -= n
+
+
+class PositionLayer(DynamicLayer):
+    """One layer's K/V: a preallocated buffer [batch, heads, capacity, head_dim] and a length."""
+
+    initial_capacity = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self._k = key_states.new_zeros(self._shape(key_states, self.initial_capacity))
+        self._v = value_states.new_zeros(self._shape(value_states, self.initial_capacity))
+        self.is_initialized = True
+
+    @staticmethod
+    def _shape(states: torch.Tensor, capacity: int) -> tuple[int, ...]:
+        return (*states.shape[:-2], capacity, states.shape[-1])
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._k.shape[-2])
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_zeros(self._shape(old, capacity))
+            new[..., : self.length, :] = old[..., : self.length, :]
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._grow(end)
+        self._k[..., self.length : end, :] = key_states
+        self._v[..., self.length : end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._k[..., :length, :]
+        self.values = self._v[..., :length, :]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF convention (transformers 5.x): a negative count of tokens to remove."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number: the count of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(self.length + tokens_to_remove)

@@ -1,0 +1,59 @@
+"""The proposer interface: what suggests the k draft tokens, behind one small interface (as
+vLLM's `spec_decode` proposers and HF's `CandidateGenerator`). Implementations: the draft model
+(`specserve.drafter.draft_model`), and on the verifier's side the remote drafter over gRPC
+(`specserve.verifier.client`).
+
+A proposer holds sequences by id. On every call it is told, per sequence, only which tokens were
+committed since its last call; it works out how much of its cached drafting survived, rolls the
+rest back, and drafts. It never needs to know the acceptance rule. Calls are batched: one
+`propose` serves every active sequence of a round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.core.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [k, V] q the tokens were sampled from; None when greedy
+    pipeline_hit: bool = False  # prepared while the previous round was being verified
+
+
+@dataclass
+class ProposeItem:
+    seq_id: str
+    new_tokens: list[int]  # committed since the previous propose (or since start)
+    k: int
+
+
+class CapacityError(RuntimeError):
+    """No free sequence slot."""
+
+
+def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
+    n = start
+    limit = min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class Proposer:
+    """Interface: start a sequence, propose k tokens after newly committed ones, release."""
+
+    max_length: int = 1 << 30  # longest sequence the proposer can hold
+
+    def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        raise NotImplementedError
+
+    def release(self, seq_id: str) -> None:
+        pass

@@ -1,0 +1,100 @@
+"""The one configuration object of a speculative pair and its deployment, with one set of
+defaults and one set of checks. The CLI, `cluster.pair.SpeculativePair`, the Serve app and the
+KubeRay serveConfigV2 (its `args`) all build a `SpecServeConfig`; `specserve.builder` turns it
+into running parts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
+PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class SpecServeConfig:
+    model: str = "specserve-demo"  # the served model name
+    target: str = str(DEFAULT_MODEL_DIR / "target")  # local HF folder of the target
+    drafter: str | None = str(DEFAULT_MODEL_DIR / "drafter")  # local HF folder of the drafter; None: no speculation
+    k: int = 4  # draft tokens per round
+    pipeline: bool | str = True  # False, True (the default policy) or a name from PIPELINE_POLICIES
+    max_num_seqs: int = 8  # sequences batched together in each round, per pair
+    max_waiting: int = 64  # queued requests per pair beyond which new ones are refused (HTTP 503)
+    max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
+    num_pairs: int = 1  # Serve replicas, each one pair (drafter + verifier)
+    use_gpu: bool | None = None  # None: one GPU per actor when the Ray cluster has at least two
+    cpus_per_actor: float = 1.0  # CPUs reserved per actor; also its torch thread count (at least 1)
+    placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
+
+    def __post_init__(self):
+        def need(ok: bool, what: str):
+            if not ok:
+                raise ValueError(what)
+
+        need(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
+        need(isinstance(self.target, str) and bool(self.target), "target must be a model folder path")
+        need(self.drafter is None or isinstance(self.drafter, str), "drafter must be a model folder path or null")
+        if self.drafter == "":
+            self.drafter = None
+        need(_is_int(self.k) and self.k >= 0, f"k must be an integer >= 0, got {self.k!r}")
+        need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
+             f"pipeline must be true, false or one of {PIPELINE_POLICIES}, got {self.pipeline!r}")
+        need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")
+        need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting must be an integer >= 0")
+        need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+             "max_model_len must be null or an integer >= 2")
+        need(_is_int(self.num_pairs) and self.num_pairs >= 1, "num_pairs must be an integer >= 1")
+        need(self.use_gpu is None or isinstance(self.use_gpu, bool), "use_gpu must be true, false or null")
+        need(isinstance(self.cpus_per_actor, (int, float)) and not isinstance(self.cpus_per_actor, bool)
+             and self.cpus_per_actor > 0, "cpus_per_actor must be a number > 0")
+        need(self.placement_strategy in PLACEMENT_STRATEGIES,
+             f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+
+    @classmethod
+    def from_dict(cls, args: dict | None) -> "SpecServeConfig":
+        """From a plain mapping (Serve app args, a YAML file); unknown keys are errors."""
+        args = dict(args or {})
+        unknown = set(args) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown specserve config keys: {sorted(unknown)}")
+        return cls(**args)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None and self.k > 0
+
+    @property
+    def threads(self) -> int:
+        """torch threads of each actor."""
+        return max(1, int(self.cpus_per_actor))
+
+    def gpu(self) -> bool:
+        """Whether each actor takes a GPU: `use_gpu`, or when unset, whether the Ray cluster this
+        process is connected to has at least two GPUs (one per actor of a pair)."""
+        if self.use_gpu is not None:
+            return self.use_gpu
+        import ray
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2
+
+    def bundle(self) -> dict:
+        """One actor's placement-group bundle."""
+        return {"CPU": self.cpus_per_actor, **({"GPU": 1} if self.gpu() else {})}
+
+    def bundles(self) -> list[dict]:
+        """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter)."""
+        return [self.bundle(), self.bundle()] if self.drafter else [self.bundle()]
+
+
+TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
