@@ -83,7 +83,10 @@ class FastLlama:
         mask = (torch.arange(end)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, end]
         single = b == 1 and slots[0] == 0 and self.slots == 1
         slot_idx = torch.tensor(slots)
-        write_pos = pos_c  # padded positions write past the valid length: harmless, never read as valid
+        # New K/V go to (slot, position) for the real tokens only: one indexed write per layer, and
+        # padding (ragged batches) is never written, so it cannot reach past the buffer.
+        valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]  # [b, t]
+        write_slot, write_pos = slot_idx[:, None].expand(b, t)[valid], pos[valid]
         x = F.embedding(ids, self.embed)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -102,9 +105,8 @@ class FastLlama:
                                                    attn_mask=None if t == 1 else mask,
                                                    enable_gqa=self.kv_heads != self.heads)
             else:
-                for i in range(b):  # scatter each sequence's new K/V at its own positions
-                    kb[slot_idx[i], :, write_pos[i]] = k[i]
-                    vb[slot_idx[i], :, write_pos[i]] = v[i]
+                kb[write_slot, :, write_pos] = k.transpose(1, 2)[valid]
+                vb[write_slot, :, write_pos] = v.transpose(1, 2)[valid]
                 keys, values = kb[slot_idx, :, :end], vb[slot_idx, :, :end]
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                    enable_gqa=self.kv_heads != self.heads)

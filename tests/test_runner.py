@@ -85,3 +85,19 @@ def test_after_rejected_round_caches_hold_the_accepted_prefix():
     assert engine.target.length == 3 + len(r.token_ids) - 1
     got = engine.target.score([r.token_ids[-1]])
     assert torch.allclose(got[-1], full_logits(target, [3, 4, 5] + r.token_ids)[-1], atol=1e-4)
+
+
+def test_ragged_batch_next_to_a_capacity_boundary():
+    """A sequence one token short of the KV buffer's capacity, batched with a longer contribution
+    from another slot: padded positions must not be written past the buffer (regression)."""
+    from specserve.core.fast_llama import FastLlama
+    model = tiny_model("llama", 64, seed=5, max_positions=512)
+    fast = FastLlama(model, slots=2, capacity=256)
+    near = torch.randint(0, 64, (255,), generator=torch.Generator().manual_seed(1)).tolist()
+    short = torch.randint(0, 64, (15,), generator=torch.Generator().manual_seed(2)).tolist()
+    fast.forward([near[:-1]], [0])
+    fast.forward([short[:-5]], [1])
+    assert fast.cache.capacity == 256 and fast.cache.lengths == [254, 10]
+    out = fast.forward([near[-1:], short[-5:]], [0, 1])  # slot 0 ends at 255 < 256; slot 1 adds 5 tokens
+    assert torch.allclose(out[0], full_logits(model, near)[-1:], atol=1e-4)
+    assert torch.allclose(out[1], full_logits(model, short)[-5:], atol=1e-4)
