@@ -3,9 +3,16 @@ strings, and response/error shapes. Pure functions and small classes, no Ray or 
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from specserve.core.sampling import MIN_TEMPERATURE
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class APIError(Exception):
@@ -17,8 +24,8 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
-                              503: "overloaded_error"}.get(status, "server_error")
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              503: "overloaded_error", 504: "timeout_error"}.get(status, "server_error")
         self.code = code
         self.headers = headers or {}
 
@@ -35,7 +42,16 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes):
+    """Strict JSON: UTF-8, and no NaN / Infinity (Python's json accepts them by default)."""
+    return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
 
 
 @dataclass
@@ -77,7 +93,8 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
     req = CompletionRequest(model=model, prompt=prompt)
     req.max_tokens = _get(body, "max_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
-    req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v >= 0, "a number >= 0"))
+    req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v == 0 or v >= MIN_TEMPERATURE,
+                                 f"0 (greedy) or a number >= {MIN_TEMPERATURE}"))
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
     top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)")
     req.top_k = max(top_k, 0)
@@ -92,10 +109,12 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
         req.stop = []
     elif isinstance(stop, str):
         req.stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
         req.stop = [s for s in stop if s]
     else:
-        raise _bad("'stop' must be a string or a list of at most 16 strings", "stop")
+        raise _bad(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise _bad(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", "stop")
     spec = body.get("speculative")
     if spec is not None:
         if not isinstance(spec, dict) or set(spec) - {"enabled", "k"}:
@@ -133,26 +152,49 @@ def chat_prompt(body, tokenizer) -> str:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas, in O(new tokens) per call.
 
-    Decodes the whole list each time (so BPE merges and multi-byte characters come out exactly as
-    a one-shot decode would), holds back an incomplete UTF-8 character ('\\ufffd' at the end), and
-    holds back any tail that could still become a stop string. The concatenated deltas equal the
-    final text, and a stop string is never emitted.
+    Each call decodes only a window: the tokens added since the previous call plus the ones
+    added in the call before, as context (so BPE merges and multi-byte characters come out as a
+    one-shot decode gives them). Text that ends in an incomplete UTF-8 character ('\ufffd') is
+    held until the character completes. A tail that could still become a stop string is held
+    back too, and searching for stop strings looks only at unsent text. The concatenated deltas
+    (plus `flush()`) equal the final text, and a stop string is never emitted.
     """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
+        self.prefix_offset = 0  # the decode window starts here
+        self.read_offset = 0  # tokens before this are in self.text
+        self.text = ""  # the text so far (cut at a stop string)
         self.sent = 0  # characters of text already emitted
-        self.text = ""
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
         """New delta after token_ids; sets .stopped when a stop string appears."""
         self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not self.stopped:
+            self._decode(final=False)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (a trailing partial stop string is real text)."""
+        if not self.stopped:
+            self._decode(final=True)
+        return self._delta(final=True)
+
+    def _decode(self, final: bool) -> None:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        window = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _delta(self, final: bool) -> str:
+        text = self.text
         for s in self.stop:
             i = text.find(s, max(0, self.sent - len(s)))
             if i != -1:
@@ -160,9 +202,7 @@ class Detokenizer:
                 self.stopped = True
         self.text = text
         end = len(text)
-        if not self.stopped:
-            if text.endswith("\ufffd"):
-                end -= 1
+        if not self.stopped and not final:
             for s in self.stop:  # hold back a tail that is a prefix of a stop string
                 for n in range(min(len(s) - 1, end - self.sent), 0, -1):
                     if text[end - n:end] == s[:n]:
@@ -170,12 +210,6 @@ class Detokenizer:
                         break
         delta = text[self.sent:max(end, self.sent)]
         self.sent += len(delta)
-        return delta
-
-    def flush(self) -> str:
-        """At the end: whatever was held back (a trailing partial stop string is real text)."""
-        delta = self.text[self.sent:]
-        self.sent = len(self.text)
         return delta
 
 

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from specserve.builder import start_drafter
 from specserve.config import DRAFTER_BUNDLE, TARGET_BUNDLE, SpecServeConfig
 from specserve.core.sampling import SamplingParams
-from specserve.verifier.engine import GenerationResult, Overloaded, SpecStats
+from specserve.verifier.engine import GenerationResult, Overloaded, RequestFailed, SpecStats
 
 
 def ensure_ray() -> None:
@@ -44,15 +44,15 @@ class SpeculativePair:
         def strategy(index):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
 
-        self.drafter = self.verifier = None
+        self.drafter = self.verifier = None  # the drafter's DrafterHandle; the verifier actor
         try:
-            address = None
             if drafter is not None:
-                self.drafter, address = start_drafter(cfg, strategy(DRAFTER_BUNDLE))
+                self.drafter = start_drafter(cfg, strategy(DRAFTER_BUNDLE))
             bundle = bundles[TARGET_BUNDLE]
             self.verifier = VerifierActor.options(
-                max_concurrency=cfg.max_num_seqs + cfg.max_waiting + 8, num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy(TARGET_BUNDLE)).remote(cfg.to_dict(), address)
+                max_concurrency=cfg.pair_max_ongoing_requests(), num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy(TARGET_BUNDLE)).remote(cfg.to_dict(),
+                                                                                                  self.drafter)
             ray.get(self.verifier.accelerator_ids.remote())  # surfaces a load error here
         except Exception:
             self.shutdown()
@@ -66,7 +66,7 @@ class SpeculativePair:
     def submit(self, prompt_ids, max_new_tokens, sampling=SamplingParams(), k=4, request_id=None, ignore_eos=False):
         """Starts a request; returns a Ray ObjectRef for `result` (or ray.get: the raw dict with
         per-round timings). Cancel it with `cancel(request_id)`."""
-        k = k if self.drafter is not None else 0
+        k = k if self.config.drafter is not None else 0
         return self.verifier.generate.remote(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens,
                                              sampling.to_dict(), k, ignore_eos)
 
@@ -75,7 +75,7 @@ class SpeculativePair:
         try:
             out = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, (ValueError, Overloaded)):
+            if isinstance(e.cause, (ValueError, Overloaded, RequestFailed)):
                 raise type(e.cause)(str(e.cause)) from None
             raise
         stats = SpecStats(**{k: v for k, v in out["stats"].items() if k in SpecStats.__dataclass_fields__})
@@ -88,8 +88,12 @@ class SpeculativePair:
         """Running / waiting sequences and free target slots of the verifier."""
         return ray.get(self.verifier.load.remote())
 
+    def health(self) -> dict:
+        return ray.get(self.verifier.health.remote())
+
     def shutdown(self) -> None:
-        for actor in (self.verifier, self.drafter):
+        # a drafter the verifier recreated is owned by the verifier process and dies with it
+        for actor in (self.verifier, self.drafter and self.drafter.actor):
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.pg)

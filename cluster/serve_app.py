@@ -19,6 +19,7 @@ Deployments:
 
 
 import asyncio
+import hmac
 import json
 import uuid
 
@@ -27,11 +28,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
-                                          completion_response, parse_completion, speculative_block)
+                                          completion_response, parse_completion, parse_json, speculative_block)
 from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment
 class PairReplica:
     """One pair: this replica is the verifier (target + engine loop); its drafter actor sits in the
     replica's second placement-group bundle. Both are built by `specserve.builder`."""
@@ -47,19 +48,19 @@ class PairReplica:
         cfg = SpecServeConfig.from_dict(config)
         torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
-        self.drafter, address = None, None
+        self.drafter = None  # a DrafterHandle: restarted by Ray, or recreated, and found again
         if cfg.drafter:
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
-            self.drafter, address = start_drafter(cfg, strategy)
-        self.engine = build_engine(cfg, address)
+            self.drafter = start_drafter(cfg, strategy)
+        self.engine = build_engine(cfg, self.drafter.address if self.drafter else None)
         self.engine.start()
         self.k = cfg.k if self.engine.proposer is not None else 0
 
     async def generate(self, request: dict):
         """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"})."""
         from specserve.core.sampling import SamplingParams
-        from specserve.verifier.engine import Overloaded
+        from specserve.verifier.engine import Overloaded, RequestTimeout
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -86,7 +87,9 @@ class PairReplica:
                     yield {"token_ids": item}
                     continue
                 finished = True
-                if item.error is not None:
+                if isinstance(item.error, RequestTimeout):
+                    yield {"error": {"status": 504, "message": str(item.error)}}
+                elif item.error is not None:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
                 else:
                     yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k}
@@ -98,10 +101,22 @@ class PairReplica:
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
 
+    def health(self) -> dict:
+        return self.engine.health()
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a replica whose engine loop died is restarted."""
+        state = self.engine.health()
+        if state["status"] == "dead":
+            raise RuntimeError(state["reason"])
+
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()
+
+
+HEALTH_TIMEOUT_S = 5.0
 
 
 def sse_event(obj: dict) -> str:
@@ -130,14 +145,30 @@ class OpenAIIngress:
         self.cfg = SpecServeConfig.from_dict(config)
         self.tokenizer = load_tokenizer(self.cfg.target)
         self.metrics = Metrics()
+        self.api_key = self.cfg.resolved_api_key()
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self):
+        """200 ok; 200 degraded (with the reason) while a pair serves target-only; 503 when a
+        pair's engine loop is dead or a pair does not answer. Open to probes (no API key)."""
+        try:
+            states = await asyncio.wait_for(self.pair.broadcast("health").results_async(), timeout=HEALTH_TIMEOUT_S)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "reason": f"a pair did not answer: {type(e).__name__}"},
+                                status_code=503)
+        dead = [s["reason"] for s in states if s["status"] == "dead"]
+        if dead or not states:
+            return JSONResponse({"status": "unavailable", "reason": "; ".join(dead) or "no pair is running"},
+                                status_code=503)
+        degraded = sorted({s["reason"] for s in states if s["status"] == "degraded"})
+        if degraded:
+            return {"status": "degraded", "reason": "; ".join(degraded)}
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        self._authorize(request)
         return {"object": "list", "data": [{"id": self.cfg.model, "object": "model", "created": 0,
                                              "owned_by": "specserve"}]}
 
@@ -148,23 +179,34 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        self._authorize(request)
         body = await self._json(request)
         req = parse_completion(body, self.cfg.model)
         return await self._serve(req, req.prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        self._authorize(request)
         body = await self._json(request)
         prompt = chat_prompt(body, self.tokenizer)
         req = parse_completion({**body, "prompt": prompt}, self.cfg.model)
         return await self._serve(req, prompt, chat=True)
 
     # ------------------------------------------------------------------ helpers
+    def _authorize(self, request: Request) -> None:
+        """With an API key configured, /v1/* need `Authorization: Bearer <key>` (as vLLM's server)."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
     @staticmethod
     async def _json(request: Request):
         try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return parse_json(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
     async def _serve(self, req, prompt, chat: bool):
@@ -259,13 +301,21 @@ class OpenAIIngress:
 
 
 def build_app(args: dict | None = None):
-    """The Serve application for a plain config mapping (the fields of `SpecServeConfig`)."""
+    """The Serve application for a plain config mapping (the fields of `SpecServeConfig`).
+    Concurrency comes from the config: the ingress admits every sequence the pairs can run or
+    queue (num_pairs x (max_num_seqs + max_waiting)) plus headroom for /health and /metrics, so the
+    engines' own bound answers overload with a prompt 503; Serve's queue in front is bounded too."""
     cfg = SpecServeConfig.from_dict(args)
     bundle = cfg.bundle()
     pair = PairReplica.options(
         num_replicas=cfg.num_pairs,
+        max_ongoing_requests=cfg.pair_max_ongoing_requests(),
+        max_queued_requests=cfg.HEADROOM,
+        health_check_period_s=5,
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
         placement_group_bundles=cfg.bundles(),
         placement_group_strategy=cfg.placement_strategy,
     ).bind(cfg.to_dict())
-    return OpenAIIngress.bind(pair, cfg.to_dict())
+    ingress = OpenAIIngress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests(),
+                                    max_queued_requests=cfg.HEADROOM)
+    return ingress.bind(pair, cfg.to_dict())

@@ -57,3 +57,17 @@ class Proposer:
 
     def release(self, seq_id: str) -> None:
         pass
+
+    def release_many(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.release(seq_id)
+
+    # Failure handling, for proposers that can fail and come back (a remote drafter). The engine
+    # calls mark_failed when a call raised something other than CapacityError / ValueError, stops
+    # using the proposer, and polls recovered() between rounds: True means usable again, with no
+    # sequences (the engine starts its running sequences anew).
+    def mark_failed(self, error: Exception) -> None:
+        pass
+
+    def recovered(self) -> bool:
+        return False

@@ -8,10 +8,16 @@ place where that transformation is written.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+
+# Below this temperature (other than 0, greedy) logits / T overflows or rounds every
+# distribution to one token: such requests are refused with a clear error, not turned into NaN.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -25,8 +31,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):

@@ -1,4 +1,5 @@
-"""The drafter as a Ray actor: loads the drafter model, starts the gRPC server, reports its address."""
+"""The drafter as a Ray actor: loads the drafter model, starts the gRPC server, reports its address.
+Started (with restarts) by `specserve.builder.start_drafter`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ray
 @ray.remote
 class DrafterActor:
     def __init__(self, model_path: str, pipeline: bool | str = True, threads: int = 1, port: int = 0,
-                 max_sequences: int = 64):
+                 max_sequences: int = 64, seq_ttl_s: float = 600.0):
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -18,9 +19,10 @@ class DrafterActor:
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()
         runner = ModelRunner.from_pretrained(model_path, name="drafter")
-        self.server, self.port, self.servicer = serve(runner.model, port=port, pipeline=pipeline,
-                                                      max_sequences=max_sequences)
-        self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
+        host = ray.util.get_node_ip_address()  # this node's address only, never every interface
+        self.server, self.port, self.servicer = serve(runner.model, host=host, port=port, pipeline=pipeline,
+                                                      max_sequences=max_sequences, seq_ttl_s=seq_ttl_s)
+        self.address = f"{host}:{self.port}"
 
     def get_address(self) -> str:
         return self.address
@@ -30,6 +32,10 @@ class DrafterActor:
 
     def live_sequences(self) -> int:
         return self.servicer.live_sequences
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)

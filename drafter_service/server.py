@@ -4,11 +4,16 @@ model, with one KV cache (one proposer) per live sequence.
 Model work runs under one lock, so a sequence's state is never touched by two threads at once.
 With pipelining on, each Propose schedules the next round's speculative draft on a background
 thread; it runs while the verifier scores the round just answered.
+
+A sequence whose verifier went away without a Release (a verifier crash, a lost network) is
+reclaimed once it has had no call for `seq_ttl_s`. The server binds to one address (the node's,
+from the actor) and refuses messages over MAX_MESSAGE_BYTES.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -22,6 +27,8 @@ from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import q_to_proto, sampling_from_proto
 
 MAX_K = 64
+MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_SEQ_TTL_S = 600.0
 
 
 class RequestError(Exception):
@@ -31,7 +38,8 @@ class RequestError(Exception):
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64):
+    def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64,
+                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences))
         # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
@@ -41,6 +49,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.pipeline = bool(pipeline)
         self.max_sequences = max_sequences
         self.versions: dict[str, int] = {}  # bumps on every Propose: stale speculation is skipped
+        self.seq_ttl_s = seq_ttl_s
+        self.last_call: dict[str, float] = {}  # monotonic time of each sequence's last Start / Propose
+        self.reclaimed = 0
         self.lock = threading.Lock()  # all model work and sequence state, one thread at a time
         self.background = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculate")
 
@@ -86,12 +97,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
         with self.lock:
+            self._reclaim_idle()
             if self.live_sequences + len(items) > self.max_sequences:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"the drafter holds {self.live_sequences} sequences (max {self.max_sequences})")
             for seq_id, prompt, params in items:
                 self.proposer.start(seq_id, prompt, params)
                 self.versions[seq_id] = 0
+                self.last_call[seq_id] = time.monotonic()
             return pb.StartReply(live_sequences=self.live_sequences)
 
     def Propose(self, request, context):
@@ -112,8 +125,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
                 items.append(ProposeItem(item.seq_id, new_tokens, item.k))
             drafts = self.proposer.propose(items)
+            now = time.monotonic()
             for item in items:
                 self.versions[item.seq_id] += 1
+                self.last_call[item.seq_id] = now
+            self._reclaim_idle(now)
             versions = {item.seq_id: self.versions[item.seq_id] for item in items}
         if self.pipeline:
             self.background.submit(self._speculate, versions)
@@ -130,9 +146,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Release(self, request, context):
         with self.lock:
             for seq_id in request.seq_ids:
-                self.proposer.release(seq_id)
-                self.versions.pop(seq_id, None)
+                self._release(seq_id)
             return pb.ReleaseReply(live_sequences=self.live_sequences)
+
+    def _release(self, seq_id: str) -> None:
+        self.proposer.release(seq_id)
+        self.versions.pop(seq_id, None)
+        self.last_call.pop(seq_id, None)
+
+    def _reclaim_idle(self, now: float | None = None) -> None:
+        """Releases sequences with no call for seq_ttl_s (their verifier never sent Release)."""
+        now = time.monotonic() if now is None else now
+        for seq_id in [s for s, t in self.last_call.items() if now - t > self.seq_ttl_s]:
+            self._release(seq_id)
+            self.reclaimed += 1
 
     def Info(self, request, context):
         with self.lock:
@@ -142,13 +169,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 pipeline_misses=getattr(self.proposer, "misses", 0))
 
 
-def serve(model, host: str = "0.0.0.0", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
-          max_workers: int = 8):
-    """Starts the gRPC server; returns (server, bound_port, servicer)."""
-    servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences)
+def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
+          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S):
+    """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
+    address); returns (server, bound_port, servicer)."""
+    servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

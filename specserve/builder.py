@@ -4,13 +4,17 @@ tokenizer, the drafter's vocabulary matches over the wire):
 
 - `build_engine(cfg)`: in process, the target and (if any) the drafter in this process
   (`specserve generate`, benchmarks, tests);
-- `build_engine(cfg, drafter_address)`: the verifier's side of a distributed pair, drafting over
-  gRPC (the Ray pair's verifier actor, each Serve replica);
+- `build_engine(cfg, drafter)`: the verifier's side of a distributed pair, drafting over gRPC
+  (the Ray pair's verifier actor, each Serve replica); `drafter` is an address or a callable
+  that finds it (again, after a failure: `DrafterHandle.address`);
 - `start_drafter(cfg, scheduling_strategy)`: the drafter's side, a Ray actor running the gRPC
-  server; returns the actor and its address.
+  server, restarted by Ray when its process dies and recreated when it was killed for good;
+  returns its `DrafterHandle`.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from specserve.config import SpecServeConfig
 from specserve.core.runner import ModelRunner, load_tokenizer, same_tokenizer
@@ -26,7 +30,7 @@ def check_pair(cfg: SpecServeConfig):
     return tokenizer
 
 
-def build_engine(cfg: SpecServeConfig, drafter_address: str | None = None):
+def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] | None = None):
     """The verifier side: target runner + proposer + engine (not started)."""
     from specserve.verifier.engine import SpeculativeEngine
 
@@ -34,8 +38,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | None = None):
     target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs)
     proposer = None
     if cfg.drafter is not None and drafter_address is not None:
-        from specserve.verifier.client import DrafterClient, RemoteProposer
-        proposer = RemoteProposer(DrafterClient(drafter_address))
+        from specserve.verifier.client import RemoteProposer
+        proposer = RemoteProposer(drafter_address)
         if proposer.vocab_size != target.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({proposer.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")
@@ -43,20 +47,53 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | None = None):
         from specserve.drafter.draft_model import DraftModelProposer
         proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs))
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
-                             max_model_len=cfg.max_model_len)
+                             max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
 
 
-def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None):
-    """Starts the drafter actor (model + gRPC server) for cfg; returns (actor, address)."""
+class DrafterHandle:
+    """A pair's drafter actor. Ray restarts it when its process dies (max_restarts); `address()`
+    finds it again (a restarted server listens on a new port) and recreates the actor if it was
+    killed for good. Picklable: the verifier actor resolves through its own copy."""
+
+    RESOLVE_TIMEOUT_S = 120.0  # a restarting drafter loads its model first
+
+    def __init__(self, cfg: SpecServeConfig, scheduling_strategy=None):
+        self.cfg = cfg
+        self.scheduling_strategy = scheduling_strategy
+        self.actor = None
+        self._start()
+
+    def _start(self) -> None:
+        from specserve.drafter.actor import DrafterActor
+
+        cfg = self.cfg
+        self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
+                                          max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
+            cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s)
+
+    def address(self) -> str:
+        import ray
+
+        try:
+            return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+        except ray.exceptions.ActorDiedError:  # killed for good (no restart): a new one in its place
+            self._start()
+            return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None) -> DrafterHandle:
+    """Starts the drafter actor (model + gRPC server) for cfg and waits until it serves."""
     import ray
 
-    from specserve.drafter.actor import DrafterActor
-
-    actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
-                                 scheduling_strategy=scheduling_strategy).remote(
-        cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs)
+    handle = DrafterHandle(cfg, scheduling_strategy)
     try:
-        return actor, ray.get(actor.get_address.remote())
+        handle.address()
     except Exception:
-        ray.kill(actor)
+        ray.kill(handle.actor)
         raise
+    return handle

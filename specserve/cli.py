@@ -145,6 +145,8 @@ def cmd_serve(args) -> int:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
         app_args["drafter"] = None
+    if args.api_key:
+        app_args["api_key"] = args.api_key
     try:
         cfg = SpecServeConfig.from_dict(app_args)
         check_pair(cfg)  # fail fast, here, on a wrong path or a mismatched pair
@@ -229,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-pairs", dest="num_pairs", type=int, default=None)
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
     s.add_argument("--no-speculation", action="store_true")
+    s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("make-tiny-pair", help="write a tiny random target/drafter pair (for trying things out)")

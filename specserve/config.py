@@ -30,6 +30,9 @@ class SpecServeConfig:
     use_gpu: bool | None = None  # None: one GPU per actor when the Ray cluster has at least two
     cpus_per_actor: float = 1.0  # CPUs reserved per actor; also its torch thread count (at least 1)
     placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
+    request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
+    drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
+    api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
 
     def __post_init__(self):
         def need(ok: bool, what: str):
@@ -50,10 +53,14 @@ class SpecServeConfig:
              "max_model_len must be null or an integer >= 2")
         need(_is_int(self.num_pairs) and self.num_pairs >= 1, "num_pairs must be an integer >= 1")
         need(self.use_gpu is None or isinstance(self.use_gpu, bool), "use_gpu must be true, false or null")
-        need(isinstance(self.cpus_per_actor, (int, float)) and not isinstance(self.cpus_per_actor, bool)
-             and self.cpus_per_actor > 0, "cpus_per_actor must be a number > 0")
+        need(_is_number(self.cpus_per_actor) and self.cpus_per_actor > 0, "cpus_per_actor must be a number > 0")
         need(self.placement_strategy in PLACEMENT_STRATEGIES,
              f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+        need(self.request_timeout_s is None or (_is_number(self.request_timeout_s) and self.request_timeout_s > 0),
+             "request_timeout_s must be null or a number > 0")
+        need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
+             "api_key must be null or a non-empty string")
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "SpecServeConfig":
@@ -92,9 +99,26 @@ class SpecServeConfig:
         """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter)."""
         return [self.bundle(), self.bundle()] if self.drafter else [self.bundle()]
 
+    # Serve's limits, from the engine's: every sequence that may run or wait gets in, plus room
+    # for /health, /metrics and cancellations; beyond that a prompt 503, never an unbounded queue.
+    HEADROOM = 16
+
+    def pair_max_ongoing_requests(self) -> int:
+        return self.max_num_seqs + self.max_waiting + self.HEADROOM
+
+    def ingress_max_ongoing_requests(self) -> int:
+        return self.num_pairs * (self.max_num_seqs + self.max_waiting) + self.HEADROOM
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+
 
 TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")

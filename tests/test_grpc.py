@@ -111,5 +111,5 @@ def test_client_calls_carry_deadlines():
         silent.listen()
         t0 = time.monotonic()
         with pytest.raises(Exception):
-            DrafterClient(f"127.0.0.1:{silent.getsockname()[1]}", deadline_s=1.0)
+            DrafterClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_s=1.0)
         assert time.monotonic() - t0 < 10

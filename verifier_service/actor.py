@@ -9,7 +9,8 @@ import ray
 
 @ray.remote
 class VerifierActor:
-    def __init__(self, config: dict, drafter_address: str | None):
+    def __init__(self, config: dict, drafter=None):
+        """drafter: the pair's `specserve.builder.DrafterHandle` (None: no speculation)."""
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -19,7 +20,8 @@ class VerifierActor:
         cfg = SpecServeConfig.from_dict(config)
         torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
-        self.engine = build_engine(cfg, drafter_address)
+        self.drafter = drafter
+        self.engine = build_engine(cfg, drafter.address if drafter is not None else None)
         self.engine.start()
 
     def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int,
@@ -47,6 +49,9 @@ class VerifierActor:
         e = self.engine
         return {"running": e.num_running, "waiting": e.num_waiting,
                 "free_slots": len(e.free_slots), "max_num_seqs": e.max_num_seqs}
+
+    def health(self) -> dict:
+        return self.engine.health()
 
     def accelerator_ids(self) -> list[str]:
         return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])

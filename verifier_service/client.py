@@ -1,71 +1,163 @@
 """The verifier's side of the gRPC contract: a Proposer whose drafts come from a remote drafter.
 
-The engine's loop does not change: `SpeculativeEngine(target, RemoteProposer(address))` runs the
-same draft -> verify -> accept rounds, with each draft fetched over gRPC (with a deadline).
+The engine's loop does not change: `SpeculativeEngine(target, RemoteProposer(resolve))` runs the
+same draft -> verify -> accept rounds, with each draft fetched over gRPC.
+
+Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error or a missed
+deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
+ValueError), and the engine then serves target-only and calls `mark_failed`. A background thread
+then finds the drafter again through `resolve` (a restarted or recreated actor has a new
+address) and connects; `recovered()` swaps the new connection in. Sequence ids on the wire carry
+the connection's epoch, so a drafter that only missed a deadline (its old sequences still live,
+reclaimed there after their TTL) never sees an id twice.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Callable
+
 import grpc
 import torch
 
-from specserve.core.proposer import Draft, ProposeItem, Proposer
+from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.sampling import SamplingParams
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import q_from_proto, sampling_to_proto
 
-DEFAULT_DEADLINE_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def deadline(method: str, tokens: int = 0) -> float:
+    """Seconds an RPC may take: a fixed allowance (scheduling, a GC pause, a loaded machine) plus
+    the work it carries, counted in drafter token positions. A healthy drafter answers in
+    milliseconds; these bound how long a hung one can stall a round."""
+    base, per_token = {"Start": (5.0, 0.005), "Propose": (5.0, 0.02), "Release": (2.0, 0.0),
+                       "Info": (CONNECT_TIMEOUT_S, 0.0)}[method]
+    return base + per_token * tokens
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter did not answer (connection lost, deadline missed, internal error)."""
 
 
 class DrafterClient:
     """One channel to one drafter server."""
 
-    def __init__(self, address: str, deadline_s: float = DEFAULT_DEADLINE_S):
+    def __init__(self, address: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address = address
-        self.deadline_s = deadline_s
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                               ("grpc.max_send_message_length", 64 << 20)])
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         self.stub = pb_grpc.DrafterStub(self.channel)
-        grpc.channel_ready_future(self.channel).result(timeout=deadline_s)
-        self.info = self.stub.Info(pb.InfoRequest(), timeout=deadline_s)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
+            self.info = self.stub.Info(pb.InfoRequest(), timeout=connect_timeout_s)
+        except Exception:
+            self.channel.close()
+            raise
 
-    def call(self, method: str, request):
-        return getattr(self.stub, method)(request, timeout=self.deadline_s)
+    def call(self, method: str, request, tokens: int = 0):
+        return getattr(self.stub, method)(request, timeout=deadline(method, tokens))
 
     def close(self) -> None:
         self.channel.close()
 
 
 class RemoteProposer(Proposer):
-    """Proposes through a DrafterClient: one Propose call per round for every active sequence."""
+    """Proposes through a DrafterClient: one Propose call per round for every active sequence.
+    `resolve`: the drafter's address, or a callable that finds it (again, after a failure)."""
 
-    def __init__(self, client: DrafterClient):
-        self.client = client
-        self.vocab_size = client.info.vocab_size
-        self.max_length = client.info.max_length
+    def __init__(self, resolve: str | Callable[[], str]):
+        self.resolve = resolve if callable(resolve) else (lambda: resolve)
+        self.client = DrafterClient(self.resolve())
+        self.vocab_size = self.client.info.vocab_size
+        self.max_length = self.client.info.max_length
         self.rounds: dict[str, int] = {}
+        self.epoch = 0  # connections so far; part of every sequence id on the wire
+        self.reconnects = 0
+        self._fresh: DrafterClient | None = None  # a new connection, ready to swap in
+        self._reconnecting: threading.Thread | None = None
+        self._backoff = 0.25
+
+    def _wire_id(self, seq_id: str) -> str:
+        return f"{seq_id}.{self.epoch}"
+
+    def _call(self, method: str, request, tokens: int = 0):
+        try:
+            return self.client.call(method, request, tokens)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise CapacityError(details) from None
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                raise ValueError(details) from None
+            raise DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}") from None
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.client.call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=seq_id, prompt_ids=prompt_ids,
-                                                                      sampling=sampling_to_proto(params))]))
+        self._call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids,
+                                                                sampling=sampling_to_proto(params))]),
+                   len(prompt_ids))
         self.rounds[seq_id] = 0
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         for item in items:
             self.rounds[item.seq_id] += 1
-        reply = self.client.call("Propose", pb.ProposeRequest(items=[pb.ProposeItem(
-            seq_id=item.seq_id, round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k)
-            for item in items]))
+        reply = self._call("Propose", pb.ProposeRequest(items=[pb.ProposeItem(
+            seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k)
+            for item in items]), sum(len(item.new_tokens) + item.k for item in items))
         drafts = []
         for item, d in zip(items, reply.drafts, strict=True):
-            if d.seq_id != item.seq_id or d.round != self.rounds[item.seq_id] or len(d.tokens) != item.k:
-                raise RuntimeError(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
-                                   f"to ({item.seq_id}, round {self.rounds[item.seq_id]}, k={item.k})")
+            if d.seq_id != self._wire_id(item.seq_id) or d.round != self.rounds[item.seq_id] or len(d.tokens) != item.k:
+                raise DrafterUnavailable(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
+                                         f"to ({item.seq_id}, round {self.rounds[item.seq_id]}, k={item.k})")
             probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
             drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit))
+        self._backoff = 0.25  # healthy again
         return drafts
 
     def release(self, seq_id: str) -> None:
-        if self.rounds.pop(seq_id, None) is not None:
-            self.client.call("Release", pb.ReleaseRequest(seq_ids=[seq_id]))
+        self.release_many([seq_id])
+
+    def release_many(self, seq_ids: list[str]) -> None:
+        known = [s for s in seq_ids if self.rounds.pop(s, None) is not None]
+        if known:
+            self._call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
+
+    # ---------------------------------------------------------------- failure and recovery
+    def mark_failed(self, error: Exception) -> None:
+        self.rounds.clear()
+        if self._reconnecting is None or not self._reconnecting.is_alive():
+            delay, self._backoff = self._backoff, min(2 * self._backoff, 10.0)  # a flapping drafter waits longer
+            self._reconnecting = threading.Thread(target=self._reconnect, args=(delay,), name="drafter-reconnect",
+                                                  daemon=True)
+            self._reconnecting.start()
+
+    def _reconnect(self, delay: float) -> None:
+        """Background: find the drafter again and connect (retrying), without touching engine state."""
+        while True:
+            time.sleep(delay)
+            try:
+                client = DrafterClient(self.resolve())
+            except Exception:
+                delay = min(2 * delay, 5.0)
+                continue
+            if client.info.vocab_size != self.vocab_size:
+                client.close()
+                continue
+            self._fresh = client
+            return
+
+    def recovered(self) -> bool:
+        fresh, self._fresh = self._fresh, None
+        if fresh is None:
+            return False
+        old, self.client = self.client, fresh
+        old.close()
+        self.epoch += 1
+        self.reconnects += 1
+        self.max_length = fresh.info.max_length
+        self.rounds.clear()
+        return True

@@ -11,10 +11,21 @@ A target slot always holds every committed token but the last ("pending") one, s
 [pending, d_1 .. d_k] and gets the k+1 distributions it needs. Sequences join and leave between
 rounds; k = 0 (or no proposer) is plain decoding through the same loop, so baselines share it.
 `generate` is one request through this loop; `submit` + a background `start()`ed loop serves many.
+
+Failures stay where they belong:
+- the proposer fails (an RPC error, a missed deadline): every affected sequence continues as
+  target-only decoding (k = 0; greedy output is unchanged), `health()` says "degraded", and once
+  the proposer has recovered (a remote drafter restarted or recreated, found again) running and
+  new sequences are started on it afresh and speculation resumes;
+- one request fails (non-finite numbers, its own callback, its timeout): it alone ends with an
+  error, the rest of its round continues;
+- no lock is held across a call to the proposer (a network call for a remote drafter): releases
+  of finished sequences are batched and sent after each round.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -22,10 +33,13 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from specserve.core.proposer import Draft, ProposeItem, Proposer
+from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
 from specserve.verifier.acceptance import accept
+
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass
@@ -110,6 +124,14 @@ class Overloaded(RuntimeError):
     """The waiting queue is full: the request is refused (HTTP 503)."""
 
 
+class RequestFailed(RuntimeError):
+    """This request failed on its own (its numbers, its callback); others in its round go on."""
+
+
+class RequestTimeout(RequestFailed):
+    """The request ran past its timeout (HTTP 504)."""
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence's state in the loop."""
@@ -131,6 +153,8 @@ class Request:
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    deadline: float | None = None  # time.monotonic() past which the request fails with RequestTimeout
+    drafting: bool = False  # started on the proposer (on its current incarnation)
     done: threading.Event = field(default_factory=threading.Event)
 
     def result(self) -> GenerationResult:
@@ -143,7 +167,8 @@ class SpeculativeEngine:
     """A target runner with `max_num_seqs` slots plus an optional proposer."""
 
     def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
-                 max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 256):
+                 max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 64,
+                 request_timeout_s: float | None = None):
         self.target = target
         self.proposer = proposer
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
@@ -151,6 +176,10 @@ class SpeculativeEngine:
         self.max_length = min(target.max_length, proposer.max_length if proposer else 1 << 30,
                               max_model_len or 1 << 30)
         self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
+        self.proposer_failures = 0
+        self._to_release: list[str] = []  # sequences to release on the proposer after this round
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -164,14 +193,18 @@ class SpeculativeEngine:
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None,
                request_id: str | None = None, on_finish: Callable[[Request], None] | None = None,
-               ignore_eos: bool = False) -> Request:
+               ignore_eos: bool = False, timeout_s: float | None = None) -> Request:
         """Queues a request (ValueError if it cannot run, Overloaded if the queue is full).
-        ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension)."""
+        ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension).
+        timeout_s: fail the request (RequestTimeout) after this long (default: the engine's)."""
         k = k if self.proposer is not None else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
                       (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish)
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        if timeout_s is not None:
+            req.deadline = time.monotonic() + timeout_s
         with self.lock:
             if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
@@ -210,6 +243,15 @@ class SpeculativeEngine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def health(self) -> dict:
+        """{"status": "ok"}; "degraded" with the reason while speculation is off because the
+        proposer failed; "dead" when the background loop has stopped."""
+        if self.loop is not None and not self.loop.is_alive():
+            return {"status": "dead", "reason": "the engine loop has stopped"}
+        if self.degraded is not None:
+            return {"status": "degraded", "reason": self.degraded}
+        return {"status": "ok"}
+
     # ---------------------------------------------------------------- the loop
     def start(self) -> None:
         """Runs rounds on a background thread whenever there is work."""
@@ -234,16 +276,19 @@ class SpeculativeEngine:
 
     def step(self) -> None:
         """One round for every running sequence."""
+        now = time.monotonic()
         with self.lock:
-            for req in [r for r in self.waiting if r.cancelled]:
+            for req in [r for r in self.waiting if r.cancelled or self._expired(r, now)]:
                 self.waiting.remove(req)
-                self._finish(req, "cancelled")
-            for req in [r for r in self.running if r.cancelled]:
-                self._finish(req, "cancelled")
+                self._finish(req, "cancelled" if req.cancelled else "error")
+            for req in [r for r in self.running if r.cancelled or self._expired(r, now)]:
+                self._finish(req, "cancelled" if req.cancelled else "error")
             # one prefill per round, so a joining sequence stalls the running ones for at most one
             # prefill; with nothing running there is nobody to stall, and every free slot fills
             n = len(self.free_slots) if not self.running else 1
             admit = [self.waiting.popleft() for _ in range(min(n, len(self.waiting), len(self.free_slots)))]
+        self._release_finished()
+        self._resume_if_recovered()
         for req in admit:
             self._admit(req)
         running = list(self.running)
@@ -251,38 +296,102 @@ class SpeculativeEngine:
             return
         try:
             self._round(running)
-        except Exception as e:  # a failed round fails its requests, never the loop
+        except Exception as e:  # a failed batch (the target's pass) fails its requests, never the loop
+            log.exception("round failed")
             for req in running:
                 if not req.done.is_set():
                     req.error = e
                     self._finish(req, "error")
+        self._release_finished()
+
+    @staticmethod
+    def _expired(req: Request, now: float) -> bool:
+        if req.deadline is None or now < req.deadline:
+            return False
+        req.error = RequestTimeout(f"the request ran past its timeout ({len(req.out)} tokens written)")
+        return True
+
+    # ---------------------------------------------------------------- the proposer, and its failures
+    def _start_drafting(self, req: Request) -> None:
+        """Registers a sequence (all its committed tokens) with the proposer."""
+        try:
+            self.proposer.start(req.id, req.prompt_ids + req.out, req.params)
+        except (CapacityError, ValueError) as e:  # this sequence cannot be drafted for: it runs target-only
+            log.warning("request %s runs without speculation: %s", req.id, e)
+            return
+        except Exception as e:
+            self._proposer_failed(e)
+            return
+        req.unsent = []
+        req.drafting = True
+
+    def _proposer_failed(self, error: Exception) -> None:
+        """Every sequence continues target-only until the proposer has recovered."""
+        self.proposer_failures += 1
+        self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving target-only"
+        log.warning("%s", self.degraded)
+        for req in self.running:
+            req.drafting = False
+        self._to_release.clear()  # the proposer's state is gone, or reclaimed after its TTL
+        self.proposer.mark_failed(error)
+
+    def _resume_if_recovered(self) -> None:
+        if self.degraded is None or not self.proposer.recovered():
+            return
+        log.warning("the drafter is back: speculation resumes")
+        self.degraded = None
+        for req in self.running:
+            if req.k and not req.drafting:
+                self._start_drafting(req)
+
+    def _release_finished(self) -> None:
+        """One batched release of finished sequences, outside every lock."""
+        ids, self._to_release = self._to_release, []
+        if ids and self.degraded is None:
+            try:
+                self.proposer.release_many(ids)
+            except Exception as e:  # their state is reclaimed on the drafter after its TTL
+                log.warning("release of %d sequences failed: %s", len(ids), e)
 
     def _admit(self, req: Request) -> None:
         req.slot = self.free_slots.pop()
         self.running.append(req)
         try:
             self.target.prefill(req.prompt_ids[:-1], slot=req.slot)
-            if req.k:
-                self.proposer.start(req.id, req.prompt_ids, req.params)
             req.pending = req.prompt_ids[-1]
         except Exception as e:
             req.error = e
             self._finish(req, "error")
+            return
+        if req.k and self.degraded is None:
+            self._start_drafting(req)
 
     def _round(self, running: list[Request]) -> None:
-        ks = [min(r.k, r.max_new_tokens - len(r.out) - 1) for r in running]  # never overshoot
+        # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
+        ks = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
         drafts = [Draft([], None)] * len(running)
         drafting = [i for i, k in enumerate(ks) if k > 0]
         if drafting:
-            proposed = self.proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i]) for i in drafting])
-            for i, draft in zip(drafting, proposed):
-                drafts[i] = draft
-                running[i].unsent = []
+            try:
+                proposed = self.proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i])
+                                                  for i in drafting])
+            except Exception as e:
+                self._proposer_failed(e)
+                ks = [0] * len(running)
+            else:
+                for i, draft in zip(drafting, proposed):
+                    drafts[i] = draft
+                    running[i].unsent = []
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
         for req, draft, lg, k in zip(running, drafts, logits, ks):
             position = len(req.prompt_ids) + len(req.out)
-            num_accepted, next_token = accept(draft.tokens, draft.probs, warp(lg, req.params),
-                                              request_generator(req.params.seed, "verify", position))
+            try:
+                num_accepted, next_token = accept(draft.tokens, draft.probs, warp(lg, req.params),
+                                                  request_generator(req.params.seed, "verify", position))
+            except Exception as e:  # e.g. non-finite logits: this request fails, the round goes on
+                req.error = RequestFailed(f"generation failed: {e}")
+                self._finish(req, "error")
+                continue
             self.target.rollback(k - num_accepted, slot=req.slot)
             req.stats.record(k, num_accepted)
             req.stats.num_pipeline_hits += draft.pipeline_hit
@@ -291,7 +400,10 @@ class SpeculativeEngine:
             req.unsent += emitted
             req.pending = next_token
             req.chunks.append((time.monotonic(), len(emitted)))
-            wanted = req.on_tokens is None or req.on_tokens(emitted) is not False
+            try:
+                wanted = req.on_tokens is None or req.on_tokens(emitted) is not False
+            except Exception:  # the consumer is gone
+                wanted = False
             if stopped or len(req.out) >= req.max_new_tokens:
                 self._finish(req, "stop" if stopped else "length")
             elif not wanted:
@@ -303,11 +415,9 @@ class SpeculativeEngine:
             self.running.remove(req)
             self.target.release(req.slot)
             self.free_slots.append(req.slot)
-            if req.k:
-                try:
-                    self.proposer.release(req.id)
-                except Exception as e:  # the drafter is gone; its state went with it
-                    req.error = req.error or e
+            if req.drafting:  # released after the round, outside the locks (a network call)
+                self._to_release.append(req.id)
+                req.drafting = False
         req.finish_reason = reason
         req.done.set()
         if req.on_finish is not None:

@@ -1,0 +1,115 @@
+"""Faults: the drafter fails, requests do not. Real gRPC servers and a real RemoteProposer; the
+engine is stepped by hand so that the failure lands at a known round."""
+
+import time
+
+import pytest
+
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams
+from specserve.drafter.server import serve
+from specserve.training.tiny import tiny_model
+from specserve.verifier.client import RemoteProposer
+from specserve.verifier.engine import RequestTimeout, SpeculativeEngine
+
+V = 96
+PROMPTS = [[3, 4, 5], [7, 8], [9, 10, 11, 12], [13]]
+N = 60
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12)
+
+
+def plain(target, prompt):
+    return SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate(prompt, N, SamplingParams(), 0).token_ids
+
+
+def step_until(engine, cond, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_drafter_dies_mid_generation_then_comes_back(models):
+    target, drafter = models
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=8)
+    address = [f"127.0.0.1:{port}"]
+    engine = SpeculativeEngine(ModelRunner(target, slots=4), RemoteProposer(lambda: address[0]), eos_ids=set(),
+                               max_num_seqs=4)
+    reqs = [engine.submit(p, N, SamplingParams(), k=3) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    assert engine.health()["status"] == "ok" and all(r.drafting for r in reqs)
+    drafted_before = sum(r.stats.num_draft_tokens for r in reqs)
+    assert drafted_before > 0
+
+    server.stop(0)  # the drafter is gone
+    engine.step()  # its Propose fails: the round runs target-only, nothing fails
+    assert engine.health()["status"] == "degraded" and "drafter" in engine.health()["reason"]
+    assert not any(r.done.is_set() for r in reqs) and not any(r.drafting for r in reqs)
+    for _ in range(2):
+        engine.step()
+    assert sum(r.stats.num_draft_tokens for r in reqs) == drafted_before  # plain decoding meanwhile
+
+    server2, port2, servicer2 = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=8)  # back, new port
+    address[0] = f"127.0.0.1:{port2}"
+    try:
+        step_until(engine, lambda: engine.health()["status"] == "ok")
+        assert servicer2.live_sequences == sum(not r.done.is_set() for r in reqs)  # re-started on the new drafter
+        step_until(engine, lambda: all(r.done.is_set() for r in reqs))
+        assert sum(r.stats.num_draft_tokens for r in reqs) > drafted_before  # speculation resumed
+        for p, r in zip(PROMPTS, reqs):
+            assert r.error is None and r.finish_reason == "length"
+            assert r.out == plain(target, p)  # greedy output unchanged by the failure
+        engine.step()  # releases go out after the round
+        assert servicer2.live_sequences == 0
+    finally:
+        server2.stop(0)
+
+
+def test_a_drafter_that_is_down_at_admission_serves_target_only(models):
+    target, drafter = models
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False)
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set(),
+                               max_num_seqs=2)
+    server.stop(0)
+    req = engine.submit(PROMPTS[0], N, SamplingParams(), k=3)
+    step_until(engine, req.done.is_set)
+    assert req.error is None and req.out == plain(target, PROMPTS[0])
+    assert engine.health()["status"] == "degraded"
+
+
+def test_one_failing_request_does_not_fail_its_round(models):
+    target, drafter = models
+    engine = SpeculativeEngine(ModelRunner(target, slots=3), None, eos_ids=set(), max_num_seqs=3)
+    good = engine.submit(PROMPTS[0], 20, SamplingParams(), k=0)
+    bad = engine.submit(PROMPTS[1], 20, SamplingParams(), k=0, on_tokens=lambda t: 1 / 0)  # its consumer breaks
+    late = engine.submit(PROMPTS[2], 20, SamplingParams(), k=0, timeout_s=0.0)  # already past its timeout
+    step_until(engine, lambda: good.done.is_set() and bad.done.is_set() and late.done.is_set())
+    assert good.error is None and good.out == plain(target, PROMPTS[0])[:20]
+    assert bad.finish_reason == "cancelled"
+    assert isinstance(late.error, RequestTimeout)
+    assert sorted(engine.free_slots) == [0, 1, 2]
+
+
+def test_drafter_reclaims_sequences_whose_release_never_came(models):
+    _, drafter = models
+    import grpc
+
+    from specserve.proto import speculative_pb2 as pb
+    from specserve.proto import speculative_pb2_grpc as pb_grpc
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, seq_ttl_s=0.3)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.DrafterStub(channel)
+            stub.Start(pb.StartRequest(items=[pb.StartItem(seq_id="orphan", prompt_ids=[1, 2])]), timeout=10)
+            assert servicer.live_sequences == 1
+            time.sleep(0.5)
+            stub.Start(pb.StartRequest(items=[pb.StartItem(seq_id="new", prompt_ids=[1, 2])]), timeout=10)
+            assert servicer.live_sequences == 1 and servicer.reclaimed == 1  # the orphan went, "new" stays
+    finally:
+        server.stop(0)

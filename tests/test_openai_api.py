@@ -1,0 +1,93 @@
+"""The HTTP protocol's pure parts: strict JSON, request validation, incremental detokenization."""
+
+import random
+
+import pytest
+
+from specserve.cluster.openai_api import APIError, Detokenizer, parse_completion, parse_json
+from specserve.config import DEFAULT_MODEL_DIR
+from specserve.core.runner import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(DEFAULT_MODEL_DIR / "target"))
+
+
+class CountingTokenizer:
+    """Counts the token ids each decode call sees."""
+
+    def __init__(self, inner):
+        self.inner, self.decoded = inner, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.inner.decode(ids, **kw)
+
+
+def stream(detok, ids, rng):
+    out, i = "", 0
+    while i < len(ids):
+        n = rng.randint(1, 5)  # speculation writes 1..k+1 tokens per round
+        out += detok.add(ids[i:i + n])
+        i += n
+    return out + (detok.flush() if not detok.stopped else "")
+
+
+TEXTS = ["def f(x):\n    return x ** 2  # ünïcode ✓ 日本語 🙂\n", "print('a' * 3)\n\tpass\n", "é" * 40 + "🙂" * 10]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_one_shot_decode(tok, text):
+    ids = tok(text)["input_ids"]
+    for seed in range(5):
+        assert stream(Detokenizer(tok, []), ids, random.Random(seed)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_split_multibyte_characters_are_held_not_garbled(tok):
+    ids = tok("🙂🙂🙂")["input_ids"]
+    detok = Detokenizer(tok, [])
+    deltas = [detok.add([t]) for t in ids]
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == "🙂🙂🙂"
+
+
+def test_stop_strings_are_never_emitted(tok):
+    text = "alpha = 1\nbeta = 2\nSTOP here\ngamma = 3\n"
+    ids = tok(text)["input_ids"]
+    for seed in range(5):
+        detok = Detokenizer(tok, ["STOP", "zzz"])
+        out = stream(detok, ids, random.Random(seed))
+        assert out == "alpha = 1\nbeta = 2\n" and detok.stopped
+
+
+def test_detokenization_costs_o_new_tokens(tok):
+    """Decoded token count grows linearly with the output, not quadratically."""
+    ids = (tok("x = [i * 2 for i in range(10)]\n" * 200)["input_ids"])
+    counting = CountingTokenizer(tok)
+    detok = Detokenizer(counting, ["never"])
+    for i in range(0, len(ids), 3):
+        detok.add(ids[i:i + 3])
+    assert detok.text == tok.decode(ids, skip_special_tokens=True)
+    assert counting.decoded < 6 * len(ids), (counting.decoded, len(ids))  # a full re-decode would be ~len^2/6
+
+
+@pytest.mark.parametrize("raw", [b'{"temperature": NaN}', b'{"temperature": Infinity}', b'{"x": -Infinity}',
+                                 b'\xff\xfe{"model": 1}', b'{"model": "a"'])
+def test_strict_json_refuses_non_numbers_and_bad_bytes(raw):
+    with pytest.raises((ValueError, UnicodeDecodeError)):
+        parse_json(raw)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": 1e-300}, "temperature"), ({"temperature": 1e400}, "temperature"),
+    ({"temperature": 0.0009}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"stop": ["x"] * 17}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
+])
+def test_absurd_values_are_400s(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "p", **body}, "m")
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_small_but_sane_temperature_is_accepted():
+    assert parse_completion({"model": "m", "prompt": "p", "temperature": 0.001}, "m").temperature == 0.001
