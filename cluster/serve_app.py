@@ -104,6 +104,14 @@ class PairReplica:
     def health(self) -> dict:
         return self.engine.health()
 
+    def drafter_info(self) -> dict | None:
+        """The drafter's actor and connection, for operators (and the fault tests)."""
+        if self.drafter is None:
+            return None
+        import ray
+        return {"pid": ray.get(self.drafter.actor.pid.remote(), timeout=30),
+                "address": self.engine.proposer.client.address, "reconnects": self.engine.proposer.reconnects}
+
     def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine loop died is restarted."""
         state = self.engine.health()

@@ -81,6 +81,9 @@ APP_ARGS = {
     "use_gpu": (bool, type(None)),
     "cpus_per_actor": (int, float),
     "placement_strategy": (str,),
+    "request_timeout_s": (int, float, type(None)),
+    "drafter_seq_ttl_s": (int, float),
+    "api_key": (str, type(None)),
 }
 
 # KubeRay's RayService CRD, vendored verbatim (deploy/kuberay/README.md names the commit).

@@ -113,3 +113,25 @@ def test_drafter_reclaims_sequences_whose_release_never_came(models):
             assert servicer.live_sequences == 1 and servicer.reclaimed == 1  # the orphan went, "new" stays
     finally:
         server.stop(0)
+
+
+def test_an_idle_engine_notices_the_drafter_is_back(models):
+    target, drafter = models
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False)
+    address = [f"127.0.0.1:{port}"]
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), RemoteProposer(lambda: address[0]), eos_ids=set(),
+                               max_num_seqs=2)
+    engine.start()
+    try:
+        server.stop(0)
+        assert engine.generate(PROMPTS[0], N, SamplingParams(), k=3).token_ids == plain(target, PROMPTS[0])
+        assert engine.health()["status"] == "degraded"
+        server2, port2, _ = serve(drafter, host="127.0.0.1", pipeline=False)
+        address[0] = f"127.0.0.1:{port2}"
+        deadline = time.monotonic() + 30
+        while engine.health()["status"] != "ok":  # no request arrives: the loop still picks it up
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server2.stop(0)
+    finally:
+        engine.stop()

@@ -267,8 +267,9 @@ class SpeculativeEngine:
     def _run(self) -> None:
         while True:
             with self.lock:
-                while not self.stopping and not self.waiting and not self.running:
-                    self.work.wait()
+                if not self.stopping and not self.waiting and not self.running:
+                    # idle; while degraded, wake up now and then to pick up a recovered proposer
+                    self.work.wait(timeout=0.25 if self.degraded is not None else None)
                 if self.stopping:
                     return
             with self.step_lock:

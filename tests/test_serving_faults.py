@@ -1,0 +1,143 @@
+"""Faults and limits on the live HTTP endpoint (real Ray Serve, real drafter process, the real
+`openai` client): a drafter killed mid-stream, overload, health under load, API keys."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "specserve-faults"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base(ray_session):
+    from ray import serve
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def deploy(name, tiny_pair_dir, **args):
+    from ray import serve
+
+    from specserve.cluster.serve_app import build_app
+    serve.run(build_app({"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"],
+                         "cpus_per_actor": 1, **args}), name=name, route_prefix=f"/{name}")
+
+
+def test_drafter_killed_mid_stream(base, tiny_pair_dir):
+    """8 streams run; the drafter's process is killed (SIGKILL). All 8 finish with 200 and the text
+    of plain decoding, /health says degraded and then ok, and speculation resumes."""
+    from ray import serve
+    deploy("faulty", tiny_pair_dir, k=3, max_num_seqs=8, max_waiting=8)
+    url = f"{base}/faulty"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    pair = serve.get_deployment_handle("PairReplica", "faulty")
+    try:
+        prompts = [f"def g{i}(x):" for i in range(8)]
+        body = dict(model=MODEL, max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+        plain = [client.completions.create(prompt=p, **{**body, "extra_body": {
+            "ignore_eos": True, "speculative": {"enabled": False}}}).choices[0].text for p in prompts]
+        pid = pair.drafter_info.remote().result()["pid"]
+        statuses: list[str] = []
+
+        async def one(ac, p, first_chunk):
+            text, code = "", None
+            async with ac.stream("POST", url + "/v1/completions", json={
+                    "model": MODEL, "prompt": p, "max_tokens": 300, "temperature": 0, "stream": True,
+                    "ignore_eos": True}) as r:
+                code = r.status_code
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+                        first_chunk.set()
+            return code, text
+
+        async def watch_health(ac, stop):
+            while not stop.is_set():
+                statuses.append((await ac.get(url + "/health")).json()["status"])
+                await asyncio.sleep(0.05)
+
+        async def run():
+            async with httpx.AsyncClient(timeout=180) as ac:
+                firsts = [asyncio.Event() for _ in prompts]
+                streams = [asyncio.create_task(one(ac, p, f)) for p, f in zip(prompts, firsts)]
+                await asyncio.gather(*(f.wait() for f in firsts))
+                stop = asyncio.Event()
+                watcher = asyncio.create_task(watch_health(ac, stop))
+                os.kill(pid, signal.SIGKILL)  # mid-stream: every stream has text, none is done
+                done = await asyncio.gather(*streams)
+                deadline = time.monotonic() + 120  # then wait for the restarted drafter
+                while (statuses[-1:] or [""])[0] != "ok" or "degraded" not in statuses:
+                    assert time.monotonic() < deadline, statuses[-5:]
+                    await asyncio.sleep(0.1)
+                stop.set()
+                await watcher
+                return done
+
+        results = asyncio.run(run())
+        assert [code for code, _ in results] == [200] * 8
+        assert [text for _, text in results] == plain
+        assert "degraded" in statuses and statuses[-1] == "ok"
+        info = pair.drafter_info.remote().result()
+        assert info["pid"] != pid and info["reconnects"] >= 1
+        after = client.completions.create(prompt=prompts[0], **body)
+        assert after.choices[0].text == plain[0]
+        assert after.model_extra["speculative"]["num_accepted_tokens"] > 0  # speculation resumed
+    finally:
+        serve.delete("faulty")
+
+
+def test_overload_is_a_prompt_503_and_health_metrics_still_answer(base, tiny_pair_dir):
+    from ray import serve
+    deploy("tight", tiny_pair_dir, max_num_seqs=1, max_waiting=0)
+    url = f"{base}/tight"
+    try:
+        with httpx.Client(timeout=60) as c:
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 500, "stream": True, "ignore_eos": True}
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()  # kept referenced: dropping it would close the stream
+                while not next(lines).startswith("data: "):
+                    pass
+                t0 = time.monotonic()
+                refused = c.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+                refused_s = time.monotonic() - t0
+                health, metrics = c.get(url + "/health"), c.get(url + "/metrics")
+            assert refused.status_code == 503 and refused.headers["retry-after"] and refused_s < 1.0, refused_s
+            assert health.status_code == 200 and metrics.status_code == 200
+            ok = c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        serve.delete("tight")
+
+
+def test_api_key_guards_v1_but_not_health(base, tiny_pair_dir):
+    from ray import serve
+    deploy("keyed", tiny_pair_dir, api_key="s3cret", max_num_seqs=2)
+    url = f"{base}/keyed"
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
+                model=MODEL, prompt="a", max_tokens=2)
+        assert e.value.body["type"] == "authentication_error" and e.value.body["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        out = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0).completions.create(
+            model=MODEL, prompt="a", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        serve.delete("keyed")
