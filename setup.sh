@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs specserve with its cluster and test extras.
+# Creates .venv and installs specserve with its cluster, test and bench extras.
 #
 # torch is installed FIRST and pinned, so that nothing later pulls a multi-GB CUDA build onto a
 # CPU machine: on the reference CPU machine `torch==2.13.0` resolves to the CPU wheel on its disk.
@@ -13,4 +13,4 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # shellcheck disable=SC2086
 .venv/bin/python -m pip install -q ${SPECSERVE_TORCH:-torch==2.13.0}
-.venv/bin/python -m pip install -q -e ".[cluster,test]"
+.venv/bin/python -m pip install -q -e ".[cluster,test,bench]"

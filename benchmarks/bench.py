@@ -13,6 +13,7 @@ E(alpha, k) * T_target(1 token) / T_target(k + 1 tokens), E = (1 - alpha^(k+1)) 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -27,6 +28,8 @@ from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from specserve.training.demo_pair import heldout_prompts
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
+ENDPOINT_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kills, memory over time",
+                    "fuzz": "generated bad requests against the HTTP endpoint: no 5xx"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
@@ -239,6 +242,11 @@ def main(argv=None) -> int:
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", default="1,2,4,8,16,32")
     b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
+    for name, help_ in ENDPOINT_BENCHES.items():  # listed here, parsed by their own modules
+        sub.add_parser(name, help=help_, add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ENDPOINT_BENCHES:
+        return importlib.import_module(f"specserve.benchmarks.{argv[0]}").main(argv[1:])
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -26,6 +26,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
                                           completion_response, parse_completion, parse_json, speculative_block)
@@ -137,6 +138,13 @@ app = FastAPI(title="specserve", description="OpenAI-compatible speculative deco
 @app.exception_handler(APIError)
 async def _api_error(_, exc: APIError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_, exc: StarletteHTTPException):
+    """Unknown paths, wrong methods: the same OpenAI-style body as every other error."""
+    return await _api_error(_, APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
+                                        else None, headers=getattr(exc, "headers", None)))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})

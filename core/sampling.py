@@ -78,7 +78,8 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p  # the first token always survives
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # the most likely token always survives (even a top_p that rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -91,3 +91,12 @@ def test_absurd_values_are_400s(body, param):
 
 def test_small_but_sane_temperature_is_accepted():
     assert parse_completion({"model": "m", "prompt": "p", "temperature": 0.001}, "m").temperature == 0.001
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    import torch
+
+    from specserve.core.sampling import SamplingParams, warp
+    logits = torch.randn(3, 50) * 3
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=1e-300))
+    assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())

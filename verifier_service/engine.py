@@ -390,7 +390,7 @@ class SpeculativeEngine:
                 num_accepted, next_token = accept(draft.tokens, draft.probs, warp(lg, req.params),
                                                   request_generator(req.params.seed, "verify", position))
             except Exception as e:  # e.g. non-finite logits: this request fails, the round goes on
-                req.error = RequestFailed(f"generation failed: {e}")
+                req.error = RequestFailed(str(e))
                 self._finish(req, "error")
                 continue
             self.target.rollback(k - num_accepted, slot=req.slot)

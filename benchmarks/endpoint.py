@@ -1,0 +1,76 @@
+"""Shared by the endpoint benchmarks (`bench soak`, `bench fuzz`): target a live endpoint with
+--url, or start one here (a local Ray + Serve with the usual config) and stop it afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Endpoint:
+    url: str
+    app: str  # the Serve application name (for its PairReplica handle), when reachable through Ray
+    model: str
+    api_key: str | None
+    stop: Callable[[], None]
+    started_here: bool
+
+
+def add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="a live endpoint (default: start one here)")
+    p.add_argument("--app", default="specserve", help="its Serve application name (for drafter kills and RSS)")
+    p.add_argument("--model", default=None, help="model name to request (default: the config's)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--config", help="when starting one: a Serve config or YAML of app args")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=None)
+    p.add_argument("--num-pairs", type=int, default=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def open_endpoint(args) -> Endpoint:
+    from specserve.cli import load_app_args
+    from specserve.config import SpecServeConfig
+
+    app_args = load_app_args(args.config)
+    for key in ("max_num_seqs", "max_waiting", "num_pairs"):
+        if getattr(args, key) is not None:
+            app_args[key] = getattr(args, key)
+    cfg = SpecServeConfig.from_dict(app_args)
+    model = args.model or cfg.model
+    if args.url:
+        return Endpoint(args.url.rstrip("/"), args.app, model, args.api_key, lambda: None, False)
+    from ray import serve
+
+    from specserve.cluster.pair import ensure_ray
+    from specserve.cluster.serve_app import build_app
+    ensure_ray()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg.to_dict()), name=args.app, route_prefix="/")
+
+    def stop():
+        import ray
+        serve.shutdown()
+        ray.shutdown()
+    return Endpoint(f"http://127.0.0.1:{port}", args.app, model, cfg.resolved_api_key(), stop, True)
+
+
+def ray_reachable() -> bool:
+    """Whether this process can reach the endpoint's Ray cluster (started here, or RAY_ADDRESS)."""
+    import ray
+    if ray.is_initialized():
+        return True
+    try:
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        return True
+    except Exception:
+        return False
