@@ -16,7 +16,6 @@ import argparse
 import importlib
 import json
 import os
-import random
 import statistics
 import sys
 import time

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import socket
 from dataclasses import dataclass
 from typing import Callable
@@ -74,3 +76,13 @@ def ray_reachable() -> bool:
         return True
     except Exception:
         return False
+
+
+def write_results(out: str, report: dict, md: str) -> None:
+    """OUT.json and OUT.md (a PNG, if any, is written by the bench itself), and the Markdown on stdout."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        f.write(json.dumps(report, indent=1) + "\n")
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    print(md)

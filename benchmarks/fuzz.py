@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint
+from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, write_results
 from specserve.config import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -196,11 +194,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     report = run(args)
-    md = markdown(report, "specserve bench fuzz " + " ".join(argv))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(args.out + ".md").write_text(md)
-    print(md)
+    write_results(args.out, report, markdown(report, "specserve bench fuzz " + " ".join(argv)))
     return 0 if report["server_errors"] == 0 and report["health_after"] == 200 else 1
 
 

@@ -20,13 +20,12 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, ray_reachable
+from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, write_results, ray_reachable
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -181,12 +180,14 @@ def plot(path, records, samples, health, kills, t_start_records):
         span = max(t for t, _ in ts)
         width = max(5.0, span / 60)
         bins = [i * width for i in range(int(span / width) + 2)]
-        tok = [sum(r.get("tokens", 0) for t, r in ts if b <= t < b + width and r["code"] == 200) / width
+        ends = [(t + r["latency"], r) for t, r in ts]  # tokens and failures count when the request ends
+        tok = [sum(r.get("tokens", 0) for t, r in ends if b <= t < b + width and r["code"] == 200) / width
                for b in bins]
-        bad = [sum(1 for t, r in ts if b <= t < b + width and r["code"] != 200) for b in bins]
-        axes[0].plot(bins, tok, label="tokens/s (200s)")
+        bad = [sum(1 for t, r in ends if b <= t < b + width and r["code"] != 200) for b in bins]
+        axes[0].plot(bins, tok, label="tokens/s (200s, by end time)")
         axes[0].bar(bins, bad, width=width, color="red", alpha=0.6, label="failed requests")
         axes[0].legend(loc="upper right")
+        axes[0].set_ylabel("per second")
         p50 = [percentile([r["latency"] for t, r in ts if b <= t < b + width and r["code"] == 200], 0.5) for b in bins]
         p99 = [percentile([r["latency"] for t, r in ts if b <= t < b + width and r["code"] == 200], 0.99) for b in bins]
         axes[1].plot(bins, p50, label="p50")
@@ -293,11 +294,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     report = run(args)
-    md = markdown(report, "specserve bench soak " + " ".join(argv))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(args.out + ".md").write_text(md)
-    print(md)
+    write_results(args.out, report, markdown(report, "specserve bench soak " + " ".join(argv)))
     return 0 if report["failed"] == 0 else 1
 
 

@@ -1,4 +1,5 @@
 import os
+import socket
 
 import pytest
 import torch
@@ -26,3 +27,9 @@ def ray_session():
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

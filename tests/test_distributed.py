@@ -111,7 +111,6 @@ def drafter_empties(pair, within_s: float = 10.0) -> bool:
 
 
 def test_release_after_end_and_cancel(ray_session, pairs):
-    import ray
     pair = SpeculativePair(*pairs[1], pipeline=True, cpus_per_actor=1)
     try:
         pair.generate([5, 6, 7], 20, SamplingParams(), k=4)

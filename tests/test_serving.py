@@ -3,22 +3,16 @@
 import asyncio
 import json
 import re
-import socket
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 MODEL = "specserve-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

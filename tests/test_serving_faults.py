@@ -5,20 +5,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import free_port
 
 MODEL = "specserve-faults"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +135,27 @@ def test_api_key_guards_v1_but_not_health(base, tiny_pair_dir):
         assert httpx.get(url + "/health").status_code == 200
     finally:
         serve.delete("keyed")
+
+
+def test_soak_and_fuzz_commands_against_a_live_endpoint(base, tiny_pair_dir, tmp_path):
+    """`specserve bench soak` (with a drafter kill) and `specserve bench fuzz`, short runs."""
+    from ray import serve
+
+    from specserve.benchmarks import fuzz, soak
+    deploy("bench", tiny_pair_dir, max_num_seqs=4, max_waiting=8)
+    url = f"{base}/bench"
+    try:
+        out = str(tmp_path / "soak")
+        rc = soak.main(["--url", url, "--app", "bench", "--model", MODEL, "--minutes", "0.4", "--concurrency", "6",
+                        "--kill-drafter-every", "8", "--sample-every", "4", "--out", out])
+        report = json.loads(open(out + ".json").read())
+        assert rc == 0 and report["failed"] == 0 and report["requests"] > 0, report["codes"]
+        assert len(report["drafter_kills"]) >= 1 and report["rss_samples"]
+        assert os.path.getsize(out + ".png") > 0 and "Command: `specserve bench soak" in open(out + ".md").read()
+        out = str(tmp_path / "fuzz")
+        rc = fuzz.main(["--url", url, "--model", MODEL, "--requests", "300", "--concurrency", "6", "--out", out])
+        report = json.loads(open(out + ".json").read())
+        assert rc == 0 and report["server_errors"] == 0 and report["health_after"] == 200
+        assert report["well_formed_ok"] == report["well_formed"] > 0
+    finally:
+        serve.delete("bench")
