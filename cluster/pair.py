@@ -100,12 +100,13 @@ class SpeculativePair:
 
 
 def generate_distributed(target: str, drafter: str | None, prompt: str, max_tokens: int, sampling: SamplingParams,
-                         k: int, pipeline: bool = True):
-    """For the CLI: start a pair, generate once, shut down. Returns (GenerationResult, tokenizer)."""
+                         k: int, pipeline: bool = True, **fields):
+    """For the CLI: start a pair, generate once, shut down. Returns (GenerationResult, tokenizer).
+    fields: other SpecServeConfig fields (device, dtype, ...)."""
     from specserve.builder import check_pair
 
-    tokenizer = check_pair(SpecServeConfig(target=target, drafter=drafter))
-    pair = SpeculativePair(target, drafter, pipeline=pipeline)
+    tokenizer = check_pair(SpecServeConfig(target=target, drafter=drafter, **fields))
+    pair = SpeculativePair(target, drafter, pipeline=pipeline, **fields)
     try:
         return pair.generate(tokenizer(prompt)["input_ids"], max_tokens, sampling, k), tokenizer
     finally:

@@ -46,7 +46,8 @@ class FastLlama:
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         freqs = torch.outer(torch.arange(self.max_length, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
+        # computed once in float32 on the host, then kept on the model's device in its dtype
+        self.cos, self.sin = (t.to(device=self.embed.device, dtype=self.embed.dtype) for t in (emb.cos(), emb.sin()))
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
@@ -70,23 +71,29 @@ class FastLlama:
         n = [len(t) for t in tokens]
         b, t = len(tokens), max(n)
         lengths = self.cache.lengths
-        start = torch.tensor([lengths[s] for s in slots])
-        end = max(lengths[s] + m for s, m in zip(slots, n))
+        starts = [lengths[s] for s in slots]
+        end = max(s0 + m for s0, m in zip(starts, n))
         if end > self.max_length:
             raise ValueError(f"sequence would exceed the context of {self.max_length} tokens")
         self.cache.ensure_capacity(end)
-        ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens])
-        pos = start[:, None] + torch.arange(t)[None, :]  # [b, t]
+        # Every tensor of the pass is made on the model's device (host lists go over in one copy
+        # each; nothing comes back to the host until the logits).
+        dev = self.embed.device
+        ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens], device=dev)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None, :]  # [b, t]
         pos_c = pos.clamp(max=self.max_length - 1)
         cos, sin = self.cos[pos_c][:, None], self.sin[pos_c][:, None]  # [b, 1, t, d]
         # key j of slot i is visible to query q (at position pos[i, q]) when j <= pos[i, q]
-        mask = (torch.arange(end)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, end]
+        mask = (torch.arange(end, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, end]
         single = b == 1 and slots[0] == 0 and self.slots == 1
-        slot_idx = torch.tensor(slots)
+        slot_idx = torch.tensor(slots, device=dev)
         # New K/V go to (slot, position) for the real tokens only: one indexed write per layer, and
-        # padding (ragged batches) is never written, so it cannot reach past the buffer.
-        valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]  # [b, t]
-        write_slot, write_pos = slot_idx[:, None].expand(b, t)[valid], pos[valid]
+        # padding (ragged batches) is never written, so it cannot reach past the buffer. The
+        # indices come from host lists (no boolean mask: that would be a device->host sync).
+        real = [(i, j) for i, m in enumerate(n) for j in range(m)]
+        rows = torch.tensor([i * t + j for i, j in real], device=dev)  # into the flattened [b * t]
+        write_slot = torch.tensor([slots[i] for i, _ in real], device=dev)
+        write_pos = torch.tensor([starts[i] + j for i, j in real], device=dev)
         x = F.embedding(ids, self.embed)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -97,7 +104,7 @@ class FastLlama:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             kb, vb = self.cache.k[li], self.cache.v[li]
             if single:
-                s0 = int(start[0])
+                s0 = starts[0]
                 kb[0, :, s0:s0 + t] = k[0]
                 vb[0, :, s0:s0 + t] = v[0]
                 keys, values = kb[:1, :, :end], vb[:1, :, :end]
@@ -105,8 +112,8 @@ class FastLlama:
                                                    attn_mask=None if t == 1 else mask,
                                                    enable_gqa=self.kv_heads != self.heads)
             else:
-                kb[write_slot, :, write_pos] = k.transpose(1, 2)[valid]
-                vb[write_slot, :, write_pos] = v.transpose(1, 2)[valid]
+                kb[write_slot, :, write_pos] = k.transpose(1, 2).reshape(b * t, self.kv_heads, self.head_dim)[rows]
+                vb[write_slot, :, write_pos] = v.transpose(1, 2).reshape(b * t, self.kv_heads, self.head_dim)[rows]
                 keys, values = kb[slot_idx, :, :end], vb[slot_idx, :, :end]
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                    enable_gqa=self.kv_heads != self.heads)

@@ -33,6 +33,37 @@ def load_tokenizer(path: str):
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
 
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto": the first CUDA device this process sees (a Ray actor holding a GPU sees exactly that
+    one), else the CPU. "cuda" without a visible GPU is an error, not a silent fallback."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but this process sees no CUDA GPU")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"unknown device {device!r}: {e}") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU that supports it, float32 otherwise (a CPU is fastest and exact
+    in float32 here)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 def same_tokenizer(a, b) -> bool:
     """Speculation compares token ids, so drafter and target must share one vocabulary."""
     return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
@@ -65,8 +96,13 @@ class ModelRunner:
         self.started = [False] * slots
 
     @classmethod
-    def from_pretrained(cls, path: str, name: str = "model", dtype=torch.float32, device="cpu", slots: int = 1):
+    def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu", slots: int = 1):
+        """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
+        and resolve_dtype)."""
         _check_dir(path)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception as e:

@@ -69,7 +69,8 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        # (scatter, not F.one_hot: one_hot checks its indices on the host, a sync on a GPU)
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -86,15 +87,18 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def request_generator(seed: int, stream: str, position: int) -> torch.Generator:
-    """A generator for one round of one request, derived from (seed, stream, position).
+def request_generator(seed: int, stream: str, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one round of one request, derived from (seed, stream, position), on the
+    device of the tensors it samples from (so drawing never moves data to the host).
 
     Deriving the stream from the committed length (instead of carrying one generator along)
     keeps sampled output reproducible whatever speculative work was done and thrown away,
-    in one process or across the drafter and verifier actors.
+    in one process or across the drafter and verifier actors. The numbers drawn depend on the
+    device type (CPU and CUDA generators differ), so a seeded sampled request gives the same
+    text run to run on the same kind of device; every device samples the target's distribution.
     """
     digest = hashlib.blake2b(f"{seed}:{stream}:{position}".encode(), digest_size=8).digest()
-    g = torch.Generator()
+    g = torch.Generator(device=device)
     g.manual_seed(int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF)
     return g
 

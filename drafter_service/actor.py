@@ -9,7 +9,8 @@ import ray
 @ray.remote
 class DrafterActor:
     def __init__(self, model_path: str, pipeline: bool | str = True, threads: int = 1, port: int = 0,
-                 max_sequences: int = 64, seq_ttl_s: float = 600.0):
+                 max_sequences: int = 64, seq_ttl_s: float = 600.0, device: str = "auto",
+                 dtype: str = "auto"):
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -18,7 +19,7 @@ class DrafterActor:
 
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()
-        runner = ModelRunner.from_pretrained(model_path, name="drafter")
+        runner = ModelRunner.from_pretrained(model_path, name="drafter", device=device, dtype=dtype)  # its GPU, if it holds one
         host = ray.util.get_node_ip_address()  # this node's address only, never every interface
         self.server, self.port, self.servicer = serve(runner.model, host=host, port=port, pipeline=pipeline,
                                                       max_sequences=max_sequences, seq_ttl_s=seq_ttl_s)

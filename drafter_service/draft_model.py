@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
     def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]) -> list[Draft]:
         for seq in seqs:
             seq.confidence = []
-        generators = [request_generator(seq.params.seed, "draft", len(seq.tokens)) for seq in seqs]
+        generators = [request_generator(seq.params.seed, "draft", len(seq.tokens), self.runner.device) for seq in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(ks, default=0)):

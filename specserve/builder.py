@@ -35,7 +35,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
     from specserve.verifier.engine import SpeculativeEngine
 
     check_pair(cfg)
-    target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs)
+    target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs, device=cfg.device,
+                                         dtype=cfg.dtype)
     proposer = None
     if cfg.drafter is not None and drafter_address is not None:
         from specserve.verifier.client import RemoteProposer
@@ -45,7 +46,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
                              f"({target.vocab_size})")
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
-        proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs))
+        proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
+                                                                  device=cfg.device, dtype=cfg.dtype))
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
 
@@ -69,7 +71,8 @@ class DrafterHandle:
         cfg = self.cfg
         self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
-            cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s)
+            cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
+            device=cfg.device, dtype=cfg.dtype)
 
     def address(self) -> str:
         import ray

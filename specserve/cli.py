@@ -49,6 +49,13 @@ def resolve_pair(target: str | None, drafter: str | None, no_speculation: bool) 
     return target, drafter
 
 
+def add_device_args(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=default,
+                   help="where the models run (auto: a GPU when one is visible)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
+                   help="model weights and activations (auto: bfloat16 on a GPU, float32 on a CPU)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -81,12 +88,14 @@ def cmd_generate(args) -> int:
         from specserve.cluster.pair import generate_distributed
         try:  # generate_distributed checks paths and the shared vocabulary before any actor starts
             result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
-                                                     args.k, pipeline=not args.no_pipeline)
+                                                     args.k, pipeline=not args.no_pipeline, device=args.device,
+                                                     dtype=args.dtype)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
     else:
         try:
-            cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1)
+            cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1, device=args.device,
+                                  dtype=args.dtype)
             tokenizer = check_pair(cfg)
             engine = build_engine(cfg)
         except (ModelLoadError, ValueError) as e:
@@ -140,7 +149,7 @@ def cmd_serve(args) -> int:
     from specserve.core.runner import ModelLoadError
 
     app_args = load_app_args(args.config)
-    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs"):
+    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
@@ -219,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-pipeline", action="store_true", help="with --distributed: draft only when asked")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    add_device_args(g, default="auto")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
@@ -231,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-pairs", dest="num_pairs", type=int, default=None)
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
     s.add_argument("--no-speculation", action="store_true")
+    add_device_args(s, default=None)
     s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     s.set_defaults(func=cmd_serve)

@@ -33,6 +33,8 @@ class SpecServeConfig:
     request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
+    device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
+    dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
 
     def __post_init__(self):
         def need(ok: bool, what: str):
@@ -59,6 +61,10 @@ class SpecServeConfig:
         need(self.request_timeout_s is None or (_is_number(self.request_timeout_s) and self.request_timeout_s > 0),
              "request_timeout_s must be null or a number > 0")
         need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
+        need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")),
+             f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
              "api_key must be null or a non-empty string")
 

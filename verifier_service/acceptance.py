@@ -52,7 +52,7 @@ def accept(
         px, qx = float(p[x]), float(q[x])
         if px >= qx:  # ratio >= 1 (covers q(x) = 0 < p(x), and p == q): always kept
             continue
-        if px > 0.0 and float(torch.rand((), dtype=torch.float64, generator=generator)) < px / qx:
+        if px > 0.0 and float(torch.rand((), dtype=torch.float64, device=p.device, generator=generator)) < px / qx:
             continue
         residual = torch.clamp(p - q, min=0.0)
         if float(residual.sum()) <= 0.0:  # only reachable through rounding: p and q agree

@@ -387,8 +387,9 @@ class SpeculativeEngine:
         for req, draft, lg, k in zip(running, drafts, logits, ks):
             position = len(req.prompt_ids) + len(req.out)
             try:
-                num_accepted, next_token = accept(draft.tokens, draft.probs, warp(lg, req.params),
-                                                  request_generator(req.params.seed, "verify", position))
+                q = draft.probs.to(lg.device) if draft.probs is not None else None  # decoded q arrives on the host
+                num_accepted, next_token = accept(draft.tokens, q, warp(lg, req.params),
+                                                  request_generator(req.params.seed, "verify", position, lg.device))
             except Exception as e:  # e.g. non-finite logits: this request fails, the round goes on
                 req.error = RequestFailed(str(e))
                 self._finish(req, "error")
