@@ -27,8 +27,9 @@ from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from specserve.training.demo_pair import heldout_prompts
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
-ENDPOINT_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kills, memory over time",
-                    "fuzz": "generated bad requests against the HTTP endpoint: no 5xx"}
+OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kills, memory over time",
+                      "fuzz": "generated bad requests against the HTTP endpoint: no 5xx",
+                      "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
@@ -241,10 +242,10 @@ def main(argv=None) -> int:
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", default="1,2,4,8,16,32")
     b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
-    for name, help_ in ENDPOINT_BENCHES.items():  # listed here, parsed by their own modules
+    for name, help_ in OWN_PARSER_BENCHES.items():  # listed here, parsed by their own modules
         sub.add_parser(name, help=help_, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ENDPOINT_BENCHES:
+    if argv and argv[0] in OWN_PARSER_BENCHES:
         return importlib.import_module(f"specserve.benchmarks.{argv[0]}").main(argv[1:])
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging

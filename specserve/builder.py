@@ -69,7 +69,7 @@ class DrafterHandle:
         from specserve.drafter.actor import DrafterActor
 
         cfg = self.cfg
-        self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.gpu() else 0,
+        self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
             device=cfg.device, dtype=cfg.dtype)

@@ -29,6 +29,7 @@ class SpecServeConfig:
     num_pairs: int = 1  # Serve replicas, each one pair (drafter + verifier)
     use_gpu: bool | None = None  # None: one GPU per actor when the Ray cluster has at least two
     cpus_per_actor: float = 1.0  # CPUs reserved per actor; also its torch thread count (at least 1)
+    gpus_per_actor: float = 1.0  # when on GPUs: 0.5 puts both actors of a pair on one GPU
     placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
     request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
@@ -58,6 +59,7 @@ class SpecServeConfig:
         need(_is_number(self.cpus_per_actor) and self.cpus_per_actor > 0, "cpus_per_actor must be a number > 0")
         need(self.placement_strategy in PLACEMENT_STRATEGIES,
              f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+        need(_is_number(self.gpus_per_actor) and 0 < self.gpus_per_actor <= 8, "gpus_per_actor must be in (0, 8]")
         need(self.request_timeout_s is None or (_is_number(self.request_timeout_s) and self.request_timeout_s > 0),
              "request_timeout_s must be null or a number > 0")
         need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
@@ -95,11 +97,11 @@ class SpecServeConfig:
         if self.use_gpu is not None:
             return self.use_gpu
         import ray
-        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2 * self.gpus_per_actor
 
     def bundle(self) -> dict:
         """One actor's placement-group bundle."""
-        return {"CPU": self.cpus_per_actor, **({"GPU": 1} if self.gpu() else {})}
+        return {"CPU": self.cpus_per_actor, **({"GPU": self.gpus_per_actor} if self.gpu() else {})}
 
     def bundles(self) -> list[dict]:
         """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter)."""

@@ -80,6 +80,7 @@ APP_ARGS = {
     "num_pairs": (int,),
     "use_gpu": (bool, type(None)),
     "cpus_per_actor": (int, float),
+    "gpus_per_actor": (int, float),
     "placement_strategy": (str,),
     "request_timeout_s": (int, float, type(None)),
     "drafter_seq_ttl_s": (int, float),

@@ -100,3 +100,16 @@ def test_greedy_speculation_is_exact_in_half_precision(dtype):
         gap, top = top2_gap(target, prompt + b[:i])
         assert gap <= eps * max(abs(top), 1.0), f"parted at {i} with a top-2 gap of {gap} (not a tie)"
     assert equal >= 3
+
+
+def test_gpu_check_dry_run(ray_session, tmp_path):
+    """`specserve bench gpu --dry-run`: the GPU check's code path on the CPU, as CI runs it."""
+    import json
+
+    from specserve.benchmarks import gpu
+    out = str(tmp_path / "gpu")
+    assert gpu.main(["--dry-run", "--prompts", "1", "--max-tokens", "8", "--out", out]) == 0
+    report = json.loads(open(out + ".json").read())
+    assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
+    assert report["in_process"][0]["greedy_equal"] == 1
+    assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined"))

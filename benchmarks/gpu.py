@@ -1,0 +1,153 @@
+"""`specserve bench gpu`: the prepared GPU check. On one GPU, in a few minutes, it
+
+1. loads the demo pair on `cuda` in float32 and in bfloat16, and checks that greedy speculative
+   output equals plain decoding (parting only at a tie within rounding, as in tests/test_device.py),
+   with in-process tokens/s, load time and peak GPU memory;
+2. runs the pair's two actors on that one GPU (`gpus_per_actor: 0.5`) and measures plain,
+   speculative (sequential) and pipelined tokens/s through Ray + gRPC;
+3. writes OUT.md and OUT.json (default docs/benchmarks/gpu).
+
+    specserve bench gpu                 # on a machine with a GPU
+    specserve bench gpu --dry-run       # the same code on the CPU, small: what CI runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from specserve.benchmarks.endpoint import write_results
+from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
+
+RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
+
+
+def _tok_per_s(generate, prompts, max_tokens, k) -> float:
+    from specserve.core.sampling import SamplingParams
+    rates = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        n = len(generate(p, max_tokens, SamplingParams(), k).token_ids)
+        rates.append(n / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dict:
+    from specserve.builder import build_engine
+    from specserve.core.sampling import SamplingParams
+    from specserve.verifier.engine import SpeculativeEngine
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=1))
+    load_s = time.perf_counter() - t0
+    plain = SpeculativeEngine(spec.target, None)
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    equal = tie_parted = 0
+    for p in prompts:
+        a = spec.generate(p, max_tokens, SamplingParams(), k).token_ids
+        b = plain.generate(p, max_tokens, SamplingParams(), 0).token_ids
+        if a == b:
+            equal += 1
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            top = torch.topk(spec.target.model(torch.tensor([p + b[:i]], device=spec.target.device))
+                             .logits[0, -1].float(), 2).values
+        if float(top[0] - top[1]) > eps * max(abs(float(top[0])), 1.0):
+            raise AssertionError(f"{device}/{dtype}: speculative output parted from plain at {i}, not at a tie")
+        tie_parted += 1
+    warm = prompts[:1]
+    _tok_per_s(plain.generate, warm, 8, 0), _tok_per_s(spec.generate, warm, 8, k)  # warm-up
+    row = {"device": str(spec.target.device), "dtype": str(spec.target.model.dtype), "load_s": load_s,
+           "greedy_equal": equal, "greedy_parted_at_a_tie": tie_parted, "prompts": len(prompts),
+           "plain_tok_s": _tok_per_s(plain.generate, prompts, max_tokens, 0),
+           "speculative_tok_s": _tok_per_s(spec.generate, prompts, max_tokens, k)}
+    row["speedup"] = row["speculative_tok_s"] / row["plain_tok_s"]
+    if device == "cuda":
+        row["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return row
+
+
+def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dict:
+    from specserve.cluster.pair import SpeculativePair, ensure_ray
+    ensure_ray()
+    fields = dict(device=device, dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1)
+    target, drafter = str(DEFAULT_MODEL_DIR / "target"), str(DEFAULT_MODEL_DIR / "drafter")
+    out = {}
+    for name, drafter_path, pipeline, kk in (("plain", None, False, 0), ("speculative", drafter, False, k),
+                                             ("pipelined", drafter, True, k)):
+        pair = SpeculativePair(target, drafter_path, pipeline=pipeline, **fields)
+        try:
+            _tok_per_s(pair.generate, prompts[:1], 8, kk)  # warm-up
+            out[f"{name}_tok_s"] = _tok_per_s(pair.generate, prompts, max_tokens, kk)
+        finally:
+            pair.shutdown()
+    out["speculative_over_plain"] = out["speculative_tok_s"] / out["plain_tok_s"]
+    out["pipelined_over_sequential"] = out["pipelined_tok_s"] / out["speculative_tok_s"]
+    return out
+
+
+def markdown(report: dict, command: str) -> str:
+    lines = [f"Command: `{command}`", "", f"{report['machine']}; torch {report['torch']}; demo pair, k = "
+             f"{report['k']}, {report['prompts']} held-out prompts, {report['max_tokens']} new tokens, greedy, "
+             "medians over prompts.", "",
+             "| device / dtype | load s | greedy spec == plain | plain tok/s | speculative tok/s | speedup | peak MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["in_process"]:
+        lines.append(f"| {r['device']} / {r['dtype']} | {r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
+                     f"{' (+' + str(r['greedy_parted_at_a_tie']) + ' at a tie)' if r['greedy_parted_at_a_tie'] else ''}"
+                     f" | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f} | "
+                     f"{r.get('peak_gpu_memory_mib', float('nan')):.0f} |")
+    d = report["distributed"]
+    lines += ["", f"Both actors on one device (gpus_per_actor 0.5), Ray + gRPC, {report['distributed_dtype']}:", "",
+              "| plain tok/s | speculative (sequential) tok/s | pipelined tok/s | spec / plain | pipelined / sequential |",
+              "|---|---|---|---|---|",
+              f"| {d['plain_tok_s']:.1f} | {d['speculative_tok_s']:.1f} | {d['pipelined_tok_s']:.1f} | "
+              f"{d['speculative_over_plain']:.2f} | {d['pipelined_over_sequential']:.2f} |", ""]
+    if report["dry_run"]:
+        lines.insert(2, "**Dry run on the CPU** (the code path of the GPU check, small): no GPU figure here.\n")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="specserve bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="run on the CPU, small (CI)")
+    p.add_argument("--prompts", type=int, default=None, help="default 10 (dry run: 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 128 (dry run: 16)")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--out", default=str(RESULTS_DIR / "gpu"))
+    args = p.parse_args(argv)
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("specserve bench gpu: error: no CUDA GPU visible (use --dry-run on a CPU)", file=sys.stderr)
+        return 2
+    n = args.prompts or (2 if args.dry_run else 10)
+    max_tokens = args.max_tokens or (16 if args.dry_run else 128)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    if args.dry_run:
+        torch.set_num_threads(1)
+    from specserve.core.runner import load_tokenizer
+    from specserve.training.demo_pair import heldout_prompts
+    prompts = heldout_prompts(DEFAULT_MODEL_DIR, n, 64, load_tokenizer(str(DEFAULT_MODEL_DIR / "target")))
+    dtypes = ["float32", "bfloat16"]
+    t0 = time.perf_counter()
+    report = {"dry_run": args.dry_run, "torch": torch.__version__, "k": args.k, "prompts": n, "max_tokens": max_tokens,
+              "machine": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)",
+              "in_process": [in_process(device, dt, prompts, max_tokens, args.k) for dt in dtypes],
+              "distributed_dtype": "bfloat16" if device == "cuda" else "float32"}
+    report["distributed"] = distributed(device, report["distributed_dtype"], prompts, max_tokens, args.k)
+    report["seconds"] = time.perf_counter() - t0
+    write_results(args.out, report, markdown(report, "specserve bench gpu " + " ".join(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
