@@ -29,7 +29,8 @@ from specserve.training.demo_pair import heldout_prompts
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kills, memory over time",
                       "fuzz": "generated bad requests against the HTTP endpoint: no 5xx",
-                      "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)"}
+                      "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)",
+                      "wire": "size and encode/decode time of q on the wire"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:

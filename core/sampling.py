@@ -104,7 +104,8 @@ def request_generator(seed: int, stream: str, position: int, device: torch.devic
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution [V]; a one-hot distribution draws no random number."""
+    """One token from a distribution [V] (weights: normalised by their sum, in float64); a
+    one-hot distribution draws no random number."""
     nz = torch.nonzero(probs > 0).flatten()
     if nz.numel() == 1:
         return int(nz[0])

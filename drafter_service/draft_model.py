@@ -30,8 +30,11 @@ class _Seq:
 class DraftModelProposer(Proposer):
     """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, q_dtype: torch.dtype | None = None):
+        """q_dtype: the dtype q is sent in (a remote drafter); drafts are sampled from q in that
+        dtype, so the verifier receives exactly the distribution each draft was drawn from."""
         self.runner = runner
+        self.q_dtype = q_dtype
         self.max_length = runner.max_length
         self.seqs: dict[str, _Seq] = {}
         self.free = list(range(runner.slots - 1, -1, -1))
@@ -100,6 +103,8 @@ class DraftModelProposer(Proposer):
                     q = torch.softmax(logits[i], -1)  # only as the drafter's confidence, for pipelining
                 else:
                     q = warp(logits[i], params)
+                    if self.q_dtype is not None:
+                        q = q.to(self.q_dtype)
                     x = sample(q, generators[i])
                     qs[i].append(q)
                 drafts[i].append(x)

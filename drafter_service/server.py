@@ -24,7 +24,7 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.pipeline import PipelinedProposer
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
-from specserve.proto.codec import q_to_proto, sampling_from_proto
+from specserve.proto.codec import PROTOCOL_VERSION, WIRE_DTYPES, dtype_code, q_to_proto, sampling_from_proto
 
 MAX_K = 64
 MAX_MESSAGE_BYTES = 64 << 20
@@ -39,9 +39,10 @@ class RequestError(Exception):
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64,
-                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S):
+                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32"):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences))
+        self.q_dtype = WIRE_DTYPES[q_dtype]
+        self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences), q_dtype=self.q_dtype)
         # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
         self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []))
                          if pipeline else self.inner)
@@ -166,14 +167,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length,
                                 live_sequences=self.live_sequences, pipeline=self.pipeline,
                                 pipeline_hits=getattr(self.proposer, "hits", 0),
-                                pipeline_misses=getattr(self.proposer, "misses", 0))
+                                pipeline_misses=getattr(self.proposer, "misses", 0),
+                                protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype))
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
-          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S):
+          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32"):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
     address); returns (server, bound_port, servicer)."""
-    servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s)
+    servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
+                               q_dtype=q_dtype)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

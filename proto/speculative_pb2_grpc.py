@@ -35,22 +35,22 @@ class DrafterStub:
             channel: A grpc.Channel.
         """
         self.Start = channel.unary_unary(
-                '/specserve.v1.Drafter/Start',
+                '/specserve.v2.Drafter/Start',
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.StartRequest.SerializeToString,
                 response_deserializer=specserve_dot_proto_dot_speculative__pb2.StartReply.FromString,
                 _registered_method=True)
         self.Propose = channel.unary_unary(
-                '/specserve.v1.Drafter/Propose',
+                '/specserve.v2.Drafter/Propose',
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/specserve.v1.Drafter/Release',
+                '/specserve.v2.Drafter/Release',
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specserve_dot_proto_dot_speculative__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
-                '/specserve.v1.Drafter/Info',
+                '/specserve.v2.Drafter/Info',
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specserve_dot_proto_dot_speculative__pb2.InfoReply.FromString,
                 _registered_method=True)
@@ -112,9 +112,9 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specserve.v1.Drafter', rpc_method_handlers)
+            'specserve.v2.Drafter', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specserve.v1.Drafter', rpc_method_handlers)
+    server.add_registered_method_handlers('specserve.v2.Drafter', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -135,7 +135,7 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specserve.v1.Drafter/Start',
+            '/specserve.v2.Drafter/Start',
             specserve_dot_proto_dot_speculative__pb2.StartRequest.SerializeToString,
             specserve_dot_proto_dot_speculative__pb2.StartReply.FromString,
             options,
@@ -162,7 +162,7 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specserve.v1.Drafter/Propose',
+            '/specserve.v2.Drafter/Propose',
             specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
             specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
             options,
@@ -189,7 +189,7 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specserve.v1.Drafter/Release',
+            '/specserve.v2.Drafter/Release',
             specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
             specserve_dot_proto_dot_speculative__pb2.ReleaseReply.FromString,
             options,
@@ -216,7 +216,7 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specserve.v1.Drafter/Info',
+            '/specserve.v2.Drafter/Info',
             specserve_dot_proto_dot_speculative__pb2.InfoRequest.SerializeToString,
             specserve_dot_proto_dot_speculative__pb2.InfoReply.FromString,
             options,

@@ -47,7 +47,7 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
-                                                                  device=cfg.device, dtype=cfg.dtype))
+                                                                  device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype))
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
 
@@ -72,7 +72,7 @@ class DrafterHandle:
         self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
-            device=cfg.device, dtype=cfg.dtype)
+            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype)
 
     def address(self) -> str:
         import ray

@@ -36,6 +36,7 @@ class SpecServeConfig:
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
     device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
     dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
+    q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
 
     def __post_init__(self):
         def need(ok: bool, what: str):
@@ -67,6 +68,7 @@ class SpecServeConfig:
              f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
              "api_key must be null or a non-empty string")
 

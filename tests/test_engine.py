@@ -100,13 +100,16 @@ def test_sampling_seed_reproducible_and_varies():
     assert a != c
 
 
-def test_sampled_tokens_follow_target_distribution():
-    """The first two sampled tokens of the speculative engine follow the target's warped p."""
+@pytest.mark.parametrize("q_dtype", [None, torch.bfloat16], ids=["q-float32", "q-bfloat16-wire"])
+def test_sampled_tokens_follow_target_distribution(q_dtype):
+    """The first sampled token of the speculative engine follows the target's warped p, also when
+    q is rounded to a wire dtype (the drafter samples from the rounded q it sends)."""
     v = 8
     target = tiny_model("llama", v, seed=5, initializer_range=0.5)
     drafter = tiny_model("llama", v, seed=6, initializer_range=0.5)
     params = dict(temperature=1.3, top_k=6)
-    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)), eos_ids=set())
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter), q_dtype=q_dtype),
+                               eos_ids=set())
     prompt = [1, 2]
     with torch.no_grad():
         p1 = warp(target(torch.tensor([prompt])).logits[0, -1], SamplingParams(**params)).double().numpy()

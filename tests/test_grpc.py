@@ -26,8 +26,9 @@ def test_committed_stubs_are_fresh(tmp_path):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
                                     SamplingParams(temperature=0.5, top_p=0.3)])
-def test_q_travels_exactly(params):
-    q = warp(torch.randn(V) * 3, params)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_q_travels_exactly(params, dtype):
+    q = warp(torch.randn(V) * 3, params).to(dtype)
     msg = pb.Distribution.FromString(q_to_proto(q).SerializeToString())
     assert torch.equal(q_from_proto(msg, V), q)
 
@@ -74,7 +75,7 @@ def test_bad_requests_get_statuses_and_the_server_keeps_serving(stub):
                                                        sampling=pb.Sampling(temperature=-1.0))])
     assert code_of(lambda: s.Start(bad_sampling, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     # bytes that are no ProposeRequest at all
-    raw = channel.unary_unary("/specserve.v1.Drafter/Propose", request_serializer=lambda b: b,
+    raw = channel.unary_unary("/specserve.v2.Drafter/Propose", request_serializer=lambda b: b,
                               response_deserializer=lambda b: b)
     with pytest.raises(grpc.RpcError) as e:
         raw(b"\xff\xff\xff\xff garbage", timeout=10)
@@ -113,3 +114,30 @@ def test_client_calls_carry_deadlines():
         with pytest.raises(Exception):
             DrafterClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_s=1.0)
         assert time.monotonic() - t0 < 10
+
+
+def test_a_large_vocabulary_batch_fits_one_propose_with_a_16_bit_q():
+    """V = 128,256, k = 4, 64 sampled sequences in one Propose through a real drafter server: with
+    q in bfloat16 the reply fits the message limit (in float32 it would be twice the size, over
+    it), and q arrives exactly as the drafter sampled from it."""
+    from specserve.drafter.server import MAX_MESSAGE_BYTES
+    vocab, k, seqs = 128_256, 4, 64
+    server, port, _ = serve(tiny_model("llama", vocab, seed=0, hidden=16, layers=1), host="127.0.0.1",
+                            pipeline=False, max_sequences=seqs, q_dtype="bfloat16")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    try:
+        s = pb_grpc.DrafterStub(channel)
+        s.Start(pb.StartRequest(items=[pb.StartItem(seq_id=f"s{i}", prompt_ids=[i + 1, 2], sampling=pb.Sampling(
+            temperature=1.0, seed=i)) for i in range(seqs)]), timeout=60)
+        reply = s.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id=f"s{i}", round=1, k=k) for i in range(seqs)]),
+                          timeout=120)
+        size = reply.ByteSize()
+        assert size <= MAX_MESSAGE_BYTES < 2 * size - 4 * seqs * k * 16  # float32 would not fit
+        for d in reply.drafts[:3]:
+            assert len(d.q) == k and all(q.dtype == pb.PROB_BFLOAT16 for q in d.q)
+            for tok, q in zip(d.tokens, d.q):
+                dense = q_from_proto(q, vocab)
+                assert dense.dtype == torch.bfloat16 and dense[tok] > 0
+    finally:
+        channel.close()
+        server.stop(0)

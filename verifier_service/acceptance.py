@@ -49,6 +49,7 @@ def accept(
             q[x] = 1.0
         else:
             q = draft_probs[i].double()
+            q = q / q.sum()  # exactly what the draft was sampled from (q may come rounded to the wire dtype)
         px, qx = float(p[x]), float(q[x])
         if px >= qx:  # ratio >= 1 (covers q(x) = 0 < p(x), and p == q): always kept
             continue

@@ -25,7 +25,7 @@ from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.sampling import SamplingParams
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
-from specserve.proto.codec import q_from_proto, sampling_to_proto
+from specserve.proto.codec import PROTOCOL_VERSION, q_from_proto, sampling_to_proto
 
 CONNECT_TIMEOUT_S = 10.0
 MAX_MESSAGE_BYTES = 64 << 20
@@ -58,6 +58,10 @@ class DrafterClient:
         except Exception:
             self.channel.close()
             raise
+        if self.info.protocol_version != PROTOCOL_VERSION:
+            self.channel.close()
+            raise RuntimeError(f"the drafter at {address} speaks protocol {self.info.protocol_version}, "
+                               f"this verifier {PROTOCOL_VERSION}")
 
     def call(self, method: str, request, tokens: int = 0):
         return getattr(self.stub, method)(request, timeout=deadline(method, tokens))
