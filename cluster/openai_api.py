@@ -46,6 +46,17 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _is_text(v) -> bool:
+    """A string that is valid Unicode text (JSON can carry lone surrogates, which no tokenizer takes)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
@@ -84,6 +95,8 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("'prompt' is empty", "prompt")
+        if not _is_text(prompt):
+            raise _bad("'prompt' is not valid Unicode text (a lone surrogate?)", "prompt")
     elif isinstance(prompt, list):
         if not prompt:
             raise _bad("'prompt' is empty", "prompt")
@@ -108,9 +121,9 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
     stop = body.get("stop")
     if stop is None:
         req.stop = []
-    elif isinstance(stop, str):
+    elif _is_text(stop):
         req.stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+    elif isinstance(stop, list) and all(_is_text(s) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
         req.stop = [s for s in stop if s]
     else:
         raise _bad(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
@@ -146,7 +159,7 @@ def chat_prompt(body, tokenizer) -> str:
         raise APIError(400, "this model has no chat template; use /v1/completions", code="chat_template_missing")
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and _is_text(m.get("role")) and _is_text(m.get("content"))
             for m in messages):
         raise _bad("'messages' must be a non-empty list of {role, content} objects with string content", "messages")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

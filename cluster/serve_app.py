@@ -229,7 +229,10 @@ class OpenAIIngress:
         if req.model != self.cfg.model:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
-        prompt_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        try:
+            prompt_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        except Exception as e:  # whatever the tokenizer refuses is the request's fault, not the server's
+            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         if not prompt_ids:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         if max(prompt_ids) >= len(self.tokenizer):

@@ -81,7 +81,7 @@ def test_strict_json_refuses_non_numbers_and_bad_bytes(raw):
 @pytest.mark.parametrize("body,param", [
     ({"temperature": 1e-300}, "temperature"), ({"temperature": 1e400}, "temperature"),
     ({"temperature": 0.0009}, "temperature"), ({"top_p": float("nan")}, "top_p"),
-    ({"stop": ["x"] * 17}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"), ({"prompt": "\ud800"}, "prompt"), ({"stop": "a\udfff"}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
 ])
 def test_absurd_values_are_400s(body, param):
     with pytest.raises(APIError) as e:
