@@ -47,7 +47,7 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
-                                                                  device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype))
+                                                                  device=cfg.device, dtype=cfg.dtype))
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
 
