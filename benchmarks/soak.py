@@ -32,7 +32,7 @@ RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 ROLES = {"OpenAIIngress": "ingress", "PairReplica": "verifier (pair replica)", "DrafterActor": "drafter"}
 
 
-def text_prompts(n: int, seed: int = 0) -> list[str]:
+def text_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
     """Snippets of held-out stdlib code (the demo pair's split), or plain code lines without it."""
     from specserve.training.demo_pair import heldout_files
     rng = random.Random(seed)
@@ -44,22 +44,41 @@ def text_prompts(n: int, seed: int = 0) -> list[str]:
             lines = f.read().splitlines(keepends=True)
         if len(lines) > 20:
             start = rng.randrange(0, len(lines) - 10)
-            snippet = "".join(lines[start:start + rng.randint(3, 15)])[:1500]
+            snippet = "".join(lines[start:start + rng.randint(3, 15)])[:max_chars]
             if snippet.strip():
                 prompts.append(snippet)
     return prompts or [f"def f{i}(x):\n    return" for i in range(n)]
 
 
-def actor_rss() -> dict[str, list[tuple[int, int]]]:
+def actor_pids(app: str) -> dict[str, list[int]]:
+    """The live ingress, pair-replica and drafter processes, by role: from Ray's state API (needs
+    the dashboard), else from the pair replica itself (no ingress then)."""
+    try:
+        from ray.util.state import list_actors
+        out: dict[str, list[int]] = {}
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+            role = next((r for c, r in ROLES.items() if a.class_name.endswith(c)), None)
+            if role and a.pid:
+                out.setdefault(role, []).append(a.pid)
+        return out
+    except Exception:
+        from ray import serve
+        info = serve.get_deployment_handle("PairReplica", app).drafter_info.remote().result(timeout_s=60) or {}
+        return {ROLES["PairReplica"]: [info["replica_pid"]], **({ROLES["DrafterActor"]: [info["pid"]]} if "pid" in info else {})}
+
+
+def actor_rss(app: str) -> dict[str, list[tuple[int, int]]]:
     """(pid, RSS bytes) of the live ingress, pair-replica and drafter processes, by role."""
     import psutil
-    from ray.util.state import list_actors
     out: dict[str, list[tuple[int, int]]] = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        role = next((r for c, r in ROLES.items() if a.class_name.endswith(c)), None)
-        if role and a.pid:
+    try:
+        found = actor_pids(app)
+    except Exception:  # e.g. the replica is busy restarting its drafter: skip this sample
+        return out
+    for role, pids in found.items():
+        for pid in pids:
             try:
-                out.setdefault(role, []).append((a.pid, psutil.Process(a.pid).memory_info().rss))
+                out.setdefault(role, []).append((pid, psutil.Process(pid).memory_info().rss))
             except psutil.Error:
                 pass
     return out
@@ -108,7 +127,7 @@ async def monitor(ac, ep, stop_at, t_start, samples, health, kills, kill_every, 
         except Exception as e:
             health.append((now - t_start, None, type(e).__name__))
         if now >= next_sample and samples is not None:
-            samples.append((now - t_start, await asyncio.to_thread(actor_rss)))
+            samples.append((now - t_start, await asyncio.to_thread(actor_rss, ep.app)))
             next_sample = now + sample_every
         if next_kill is not None and now >= next_kill:
             try:
@@ -238,7 +257,7 @@ def run(args) -> dict:
         reachable = ray_reachable()
         if args.kill_drafter_every and not reachable:
             raise SystemExit("--kill-drafter-every needs this process connected to the endpoint's Ray cluster")
-        prompts = text_prompts(200)
+        prompts = text_prompts(200, max_chars=args.max_prompt_chars)
         records: list[dict] = []
         samples: list | None = [] if reachable else None
         health: list = []
@@ -263,7 +282,7 @@ def run(args) -> dict:
                         bar.set_postfix(requests=len(records), failed=sum(r["code"] != 200 for r in records))
                 await asyncio.gather(*tasks, mon)
                 if samples is not None:
-                    samples.append((time.monotonic() - t_start, actor_rss()))
+                    samples.append((time.monotonic() - t_start, actor_rss(ep.app)))
                 return t_start
 
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -286,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt-chars", type=int, default=1500, help="keep prompts within a small model's context")
     p.add_argument("--out", default=str(RESULTS_DIR / "soak"), help="writes OUT.json, OUT.md and OUT.png")
     return p
 

@@ -105,13 +105,19 @@ class PairReplica:
     def health(self) -> dict:
         return self.engine.health()
 
-    def drafter_info(self) -> dict | None:
-        """The drafter's actor and connection, for operators (and the fault tests)."""
+    def drafter_info(self) -> dict:
+        """This replica's and its drafter's processes and connection, for operators (and the soak)."""
+        import os
         if self.drafter is None:
-            return None
+            return {"replica_pid": os.getpid()}
         import ray
-        return {"pid": ray.get(self.drafter.actor.pid.remote(), timeout=30),
-                "address": self.engine.proposer.client.address, "reconnects": self.engine.proposer.reconnects}
+        info = {"replica_pid": os.getpid(), "address": self.engine.proposer.client.address,
+                "reconnects": self.engine.proposer.reconnects}
+        try:
+            info["pid"] = ray.get(self.drafter.actor.pid.remote(), timeout=30)
+        except ray.exceptions.RayError:  # restarting: no process to name now
+            pass
+        return info
 
     def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine loop died is restarted."""

@@ -2,6 +2,7 @@
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -117,6 +118,9 @@ def test_queue_bound_and_cancellation_free_slots():
         assert queued[2].result().finish_reason == "cancelled"
         assert [len(r.result().token_ids) for r in queued[:2]] == [5, 5]
         assert held[1].result().finish_reason == "length"
+        deadline = time.monotonic() + 10  # the proposer releases a finished sequence right after its round
+        while eng.proposer.seqs and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(eng.free_slots) == 2 and not eng.proposer.seqs
     finally:
         eng.stop()
