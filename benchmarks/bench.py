@@ -30,7 +30,8 @@ RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kills, memory over time",
                       "fuzz": "generated bad requests against the HTTP endpoint: no 5xx",
                       "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)",
-                      "wire": "size and encode/decode time of q on the wire"}
+                      "wire": "size and encode/decode time of q on the wire",
+                      "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:

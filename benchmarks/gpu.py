@@ -1,6 +1,7 @@
 """`specserve bench gpu`: the prepared GPU check. On one GPU, in a few minutes, it
 
-1. loads the demo pair on `cuda` in float32 and in bfloat16, and checks that greedy speculative
+1. loads the demo pair on `cuda` in float32 and in bfloat16, eagerly, and bfloat16 compiled
+   (CUDA graphs, its compile time in the load column), and checks that greedy speculative
    output equals plain decoding (parting only at a tie within rounding, as in tests/test_device.py),
    with in-process tokens/s, load time and peak GPU memory;
 2. runs the pair's two actors on that one GPU (`gpus_per_actor: 0.5`) and measures plain,
@@ -36,14 +37,14 @@ def _tok_per_s(generate, prompts, max_tokens, k) -> float:
     return statistics.median(rates)
 
 
-def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dict:
+def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compile: bool = False) -> dict:
     from specserve.builder import build_engine
     from specserve.core.sampling import SamplingParams
     from specserve.verifier.engine import SpeculativeEngine
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=1))
+    spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=1, compile=compile))
     load_s = time.perf_counter() - t0
     plain = SpeculativeEngine(spec.target, None)
     eps = torch.finfo(getattr(torch, dtype)).eps
@@ -64,6 +65,7 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dic
     warm = prompts[:1]
     _tok_per_s(plain.generate, warm, 8, 0), _tok_per_s(spec.generate, warm, 8, k)  # warm-up
     row = {"device": str(spec.target.device), "dtype": str(spec.target.model.dtype), "load_s": load_s,
+           "compiled": spec.target.compiled,
            "greedy_equal": equal, "greedy_parted_at_a_tie": tie_parted, "prompts": len(prompts),
            "plain_tok_s": _tok_per_s(plain.generate, prompts, max_tokens, 0),
            "speculative_tok_s": _tok_per_s(spec.generate, prompts, max_tokens, k)}
@@ -96,10 +98,10 @@ def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "", f"{report['machine']}; torch {report['torch']}; demo pair, k = "
              f"{report['k']}, {report['prompts']} held-out prompts, {report['max_tokens']} new tokens, greedy, "
              "medians over prompts.", "",
-             "| device / dtype | load s | greedy spec == plain | plain tok/s | speculative tok/s | speedup | peak MiB |",
+             "| device / dtype | load (+ compile) s | greedy spec == plain | plain tok/s | speculative tok/s | speedup | peak MiB |",
              "|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
-        lines.append(f"| {r['device']} / {r['dtype']} | {r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
+        lines.append(f"| {r['device']} / {r['dtype']}{' compiled' if r.get('compiled') else ''} | {r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
                      f"{' (+' + str(r['greedy_parted_at_a_tie']) + ' at a tie)' if r['greedy_parted_at_a_tie'] else ''}"
                      f" | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f} | "
                      f"{r.get('peak_gpu_memory_mib', float('nan')):.0f} |")
@@ -121,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=None, help="default 10 (dry run: 2)")
     p.add_argument("--max-tokens", type=int, default=None, help="default 128 (dry run: 16)")
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--no-compile-row", action="store_true",
+                   help="skip the compiled (CUDA graphs) bfloat16 row (a dry run skips it unless --compile-row)")
+    p.add_argument("--compile-row", action="store_true", help="with --dry-run: run the compiled row too")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu"))
     args = p.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
@@ -142,6 +147,8 @@ def main(argv=None) -> int:
               "machine": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)",
               "in_process": [in_process(device, dt, prompts, max_tokens, args.k) for dt in dtypes],
               "distributed_dtype": "bfloat16" if device == "cuda" else "float32"}
+    if (args.compile_row or not args.dry_run) and not args.no_compile_row:
+        report["in_process"].append(in_process(device, "bfloat16", prompts, max_tokens, args.k, compile=True))
     report["distributed"] = distributed(device, report["distributed_dtype"], prompts, max_tokens, args.k)
     report["seconds"] = time.perf_counter() - t0
     write_results(args.out, report, markdown(report, "specserve bench gpu " + " ".join(argv)))

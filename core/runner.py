@@ -64,6 +64,33 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def resolve_compile(compile: bool | str, device: torch.device) -> bool:
+    """"auto": compile where it pays. Measured (docs/benchmarks/runtime.md): on this project's
+    reference CPU the lean forward is bound by reading the weights, and inductor gave no gain,
+    while compiling cost 10-60 s; on a GPU, CUDA graphs remove the per-kernel launch cost that
+    dominates small-batch decoding. So "auto" compiles on CUDA only."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if not isinstance(compile, bool):
+        raise ModelLoadError(f"compile must be true, false or 'auto', got {compile!r}")
+    return compile
+
+
+def compile_cache_dir() -> str:
+    """Where compiled code is kept across restarts: $SPECSERVE_COMPILE_CACHE, else
+    ~/.cache/specserve/inductor."""
+    return os.environ.get("SPECSERVE_COMPILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specserve",
+                                                                      "inductor")
+
+
+def use_compile_cache() -> None:
+    """Points inductor's on-disk caches (FX graph and AOT autograd caches, on by default) at
+    compile_cache_dir(), unless TORCHINDUCTOR_CACHE_DIR is set already."""
+    path = compile_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+
+
 def same_tokenizer(a, b) -> bool:
     """Speculation compares token ids, so drafter and target must share one vocabulary."""
     return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
@@ -84,22 +111,26 @@ class ModelRunner:
     path; on the HF path it runs one pass per slot.
     """
 
-    def __init__(self, model, tokenizer=None, name: str = "model", slots: int = 1, fast: bool = True):
+    def __init__(self, model, tokenizer=None, name: str = "model", slots: int = 1, fast: bool = True,
+                 compile: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.slots = slots
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
-        self.fast = FastLlama(model, slots=slots) if fast and fast_llama_supports(model) else None
+        self.fast = (FastLlama(model, slots=slots, compile=compile) if fast and fast_llama_supports(model)
+                     else None)
+        if compile and self.fast is not None:
+            use_compile_cache()
         self.caches: list[Cache | None] = [None] * slots  # HF path
         self.started = [False] * slots
 
     @classmethod
     def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu", slots: int = 1):
+                        device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
-        and resolve_dtype)."""
+        and resolve_dtype). compile: True, False or "auto" (see resolve_compile)."""
         _check_dir(path)
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
@@ -107,7 +138,8 @@ class ModelRunner:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception as e:
             raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
-        return cls(model.to(device), load_tokenizer(path), name=name, slots=slots)
+        return cls(model.to(device), load_tokenizer(path), name=name, slots=slots,
+                   compile=resolve_compile(compile, device))
 
     @property
     def device(self) -> torch.device:
@@ -163,6 +195,29 @@ class ModelRunner:
                                 logits_to_keep=1 if last_only else 0).logits
             out.append(logits[0].float())
         return out
+
+    @torch.inference_mode()
+    def score_ids(self, ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Appends ids [b, t], already on the device, to slots[i] in one pass; returns the logits
+        after each row's last token, [b, V] (float32). Nothing is read back to the host."""
+        for slot in slots:
+            if not self.started[slot]:
+                raise RuntimeError(f"{self.name}: score() on slot {slot} before prefill()")
+            if self.seq_length(slot) + ids.shape[1] > self.max_length:
+                raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
+        if self.fast is not None:
+            return self.fast.forward_ids(ids, [ids.shape[1]] * len(slots), slots, last_only=True)[:, 0]
+        return torch.cat([self.model(input_ids=ids[i:i + 1], cache=self.caches[slot], use_cache=True,
+                                     logits_to_keep=1).logits[:, -1].float() for i, slot in enumerate(slots)])
+
+    def warmup(self, widths: tuple[int, ...] = (1, 5)) -> float:
+        """Compiles (when compiled) and warms the forward for these widths before serving;
+        returns the seconds it took (0 on the HF path)."""
+        return self.fast.warmup(widths) if self.fast is not None else 0.0
+
+    @property
+    def compiled(self) -> bool:
+        return self.fast is not None and self.fast.compiled
 
     def rollback(self, n: int, slot: int = 0) -> None:
         """Forget the last n cached positions of a slot. O(1): only a length moves."""

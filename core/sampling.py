@@ -103,10 +103,17 @@ def request_generator(seed: int, stream: str, position: int, device: torch.devic
     return g
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V] (weights, need not sum to 1), as a tensor on their
+    device: an exponential race, argmax(w / E) with E ~ Exp(1) from `generator`, which picks i
+    with probability w_i / sum(w). No device -> host transfer. generator None: the argmax (for a
+    one-hot distribution, the same thing, with no draw)."""
+    if generator is None:
+        return probs.argmax(-1)
+    race = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
+    return (probs.float() / race).argmax(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution [V] (weights: normalised by their sum, in float64); a
-    one-hot distribution draws no random number."""
-    nz = torch.nonzero(probs > 0).flatten()
-    if nz.numel() == 1:
-        return int(nz[0])
-    return int(torch.multinomial(probs.double(), 1, generator=generator))
+    """One token from a distribution [V], read back to the host (see `draw`)."""
+    return int(draw(probs, generator))

@@ -14,7 +14,7 @@ import torch
 
 from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer, common_prefix_len
 from specserve.core.runner import ModelRunner
-from specserve.core.sampling import SamplingParams, request_generator, sample, warp
+from specserve.core.sampling import SamplingParams, draw, request_generator, warp
 
 
 @dataclass
@@ -46,7 +46,9 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"sequence {seq_id!r} already started")
         if not self.free:
             raise CapacityError(f"all {self.runner.slots} drafter slots are in use")
-        seq = _Seq(self.free.pop(), params, list(prompt_ids), list(prompt_ids[:-1]))
+        slot = min(self.free)  # the lowest free slot (see fast_llama: slots 0..b-1 are a view)
+        self.free.remove(slot)
+        seq = _Seq(slot, params, list(prompt_ids), list(prompt_ids[:-1]))
         self.runner.prefill(seq.cached, slot=seq.slot)
         self.seqs[seq_id] = seq
 
@@ -89,35 +91,63 @@ class DraftModelProposer(Proposer):
         return logits
 
     def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]) -> list[Draft]:
+        """k_i tokens per sequence, one batched pass per position (`_draft_on_device`); drafts
+        and confidences then come to the host in one transfer."""
+        qs, steps = self._draft_on_device(seqs, logits, ks)
+        drafts: list[list[int]] = [[] for _ in seqs]
         for seq in seqs:
             seq.confidence = []
-        generators = [request_generator(seq.params.seed, "draft", len(seq.tokens), self.runner.device) for seq in seqs]
-        drafts: list[list[int]] = [[] for _ in seqs]
+        if steps:
+            host = torch.cat([info for _, info in steps]).tolist()  # the round's one transfer
+            at = 0
+            for step, (live, _) in enumerate(steps):
+                for i in live:
+                    x, qx, alt, qalt = host[at]
+                    at += 1
+                    drafts[i].append(int(x))
+                    seqs[i].confidence.append((qx, int(alt), qalt))
+                    if step < ks[i] - 1:
+                        seqs[i].cached.append(int(x))
+        return [Draft(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def _draft_on_device(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]):
+        """The drafting loop, all on the drafter's device: drafted tokens are fed back from there.
+        Returns (q rows per sequence, per step (live rows, [rows, 4] of token, q(token), runner-up,
+        q(runner-up)))."""
+        device = self.runner.device
+        generators = [None if seq.params.greedy else
+                      request_generator(seq.params.seed, "draft", len(seq.tokens), device) for seq in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, [rows, 4]: token, q(token), runner-up, q(it))
+        rows_logits = torch.stack(logits)  # [n, V]: each sequence's logits for its next position
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if step < k]
+            tokens, info = [], []
             for i in live:
                 params = seqs[i].params
-                if params.greedy:
-                    x = int(logits[i].argmax())
-                    q = torch.softmax(logits[i], -1)  # only as the drafter's confidence, for pipelining
+                if params.greedy:  # q only as the drafter's confidence, for pipelining
+                    q = torch.softmax(rows_logits[i], -1)
+                    x = q.argmax(-1)
                 else:
-                    q = warp(logits[i], params)
+                    q = warp(rows_logits[i], params)
                     if self.q_dtype is not None:
-                        q = q.to(self.q_dtype)
-                    x = sample(q, generators[i])
+                        q = q.to(self.q_dtype)  # sampled from exactly what is sent
+                    x = draw(q, generators[i])
                     qs[i].append(q)
-                drafts[i].append(x)
-                top = torch.topk(q, 2)
-                alt = int(top.indices[1]) if int(top.indices[0]) == x else int(top.indices[0])
-                seqs[i].confidence.append((float(q[x]), alt, float(q[alt])))
-            feed = [i for i in live if step < ks[i] - 1]
+                top = torch.topk(q.float(), 2)
+                alt = torch.where(top.indices[0] == x, top.indices[1], top.indices[0])
+                tokens.append(x)
+                picked = q.gather(-1, torch.stack([x, alt])).double()  # (q(x), q(alt)); q[x] would read x
+                info.append(torch.stack([x.double(), picked[0], alt.double(), picked[1]]))
+            xs = torch.stack(tokens)
+            steps.append((live, torch.stack(info)))
+            feed = [j for j, i in enumerate(live) if step < ks[i] - 1]
             if feed:
-                out = self.runner.score_batch([(seqs[i].slot, [drafts[i][-1]]) for i in feed], last_only=True)
-                for i, row in zip(feed, out):
-                    logits[i] = row[-1]
-                    seqs[i].cached.append(drafts[i][-1])
-        return [Draft(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+                fed = [live[j] for j in feed]
+                out = self.runner.score_ids(xs.index_select(0, torch.tensor(feed, device=device))[:, None],
+                                            [seqs[i].slot for i in fed])
+                rows_logits = rows_logits.index_copy(0, torch.tensor(fed, device=device), out)
+        return qs, steps
 
     def confidence(self, seq_id: str) -> list[tuple[float, int, float]]:
         return self.seqs[seq_id].confidence
@@ -129,7 +159,7 @@ class DraftModelProposer(Proposer):
         out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
         for seq, d in zip(seqs, last_drafts):
             seq.cached.append(d[-1])
-        return [int(row[-1].argmax()) for row in out]
+        return torch.cat(out).argmax(-1).tolist()  # one transfer
 
     def uncommit(self, seq_id: str, length: int) -> None:
         """Forget committed tokens past `length` (an assumed commit that did not happen); the cache

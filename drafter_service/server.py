@@ -17,6 +17,7 @@ import time
 from concurrent import futures
 
 import grpc
+import torch
 
 from specserve.core.proposer import CapacityError, ProposeItem
 from specserve.core.runner import ModelRunner
@@ -39,10 +40,12 @@ class RequestError(Exception):
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64,
-                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32"):
+                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32", compile: bool = False):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.q_dtype = WIRE_DTYPES[q_dtype]
-        self.inner = DraftModelProposer(ModelRunner(model, name="drafter", slots=max_sequences), q_dtype=self.q_dtype)
+        runner = ModelRunner(model, name="drafter", slots=max_sequences, compile=compile)
+        runner.warmup(widths=(1,))  # compiles now (when compiled), not on the first request
+        self.inner = DraftModelProposer(runner, q_dtype=self.q_dtype)
         # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
         self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []))
                          if pipeline else self.inner)
@@ -134,10 +137,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             versions = {item.seq_id: self.versions[item.seq_id] for item in items}
         if self.pipeline:
             self.background.submit(self._speculate, versions)
+        qs = _to_host([d.probs for d in drafts])
         return pb.ProposeReply(drafts=[
             pb.Draft(seq_id=item.seq_id, round=req.round, tokens=d.tokens, pipeline_hit=d.pipeline_hit,
-                     q=[q_to_proto(q) for q in d.probs] if d.probs is not None else [])
-            for item, req, d in zip(items, request.items, drafts)])
+                     q=[q_to_proto(row) for row in q] if q is not None else [])
+            for item, req, d, q in zip(items, request.items, drafts, qs)])
 
     def _speculate(self, versions: dict[str, int]) -> None:
         with self.lock:
@@ -171,12 +175,23 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype))
 
 
+def _to_host(probs: list) -> list:
+    """Every draft's q, from the drafter's device to the host in one transfer."""
+    present = [q for q in probs if q is not None]
+    if not present or present[0].device.type == "cpu":
+        return probs
+    host = torch.cat(present).cpu().split([q.shape[0] for q in present])
+    it = iter(host)
+    return [next(it) if q is not None else None for q in probs]
+
+
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
-          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32"):
+          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
+          compile: bool = False):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
     address); returns (server, bound_port, servicer)."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
-                               q_dtype=q_dtype)
+                               q_dtype=q_dtype, compile=compile)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

@@ -36,7 +36,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
 
     check_pair(cfg)
     target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs, device=cfg.device,
-                                         dtype=cfg.dtype)
+                                         dtype=cfg.dtype, compile=cfg.compile)
+    target.warmup(widths=(1, cfg.k + 1))  # compiles now (when compiled), not on the first request
     proposer = None
     if cfg.drafter is not None and drafter_address is not None:
         from specserve.verifier.client import RemoteProposer
@@ -46,8 +47,10 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
                              f"({target.vocab_size})")
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
-        proposer = DraftModelProposer(ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
-                                                                  device=cfg.device, dtype=cfg.dtype))
+        drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
+                                              device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
+        drafter.warmup(widths=(1,))
+        proposer = DraftModelProposer(drafter)
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
 
@@ -72,7 +75,7 @@ class DrafterHandle:
         self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
-            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype)
+            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile)
 
     def address(self) -> str:
         import ray

@@ -54,6 +54,11 @@ def add_device_args(p: argparse.ArgumentParser, default) -> None:
                    help="where the models run (auto: a GPU when one is visible)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
                    help="model weights and activations (auto: bfloat16 on a GPU, float32 on a CPU)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--compile", dest="compile", action="store_const", const=True, default=default,
+                   help="torch.compile the forward (default: auto, i.e. on a GPU only; see docs/benchmarks/runtime.md)")
+    c.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                   help="run the forward eagerly")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -89,13 +94,13 @@ def cmd_generate(args) -> int:
         try:  # generate_distributed checks paths and the shared vocabulary before any actor starts
             result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
                                                      args.k, pipeline=not args.no_pipeline, device=args.device,
-                                                     dtype=args.dtype)
+                                                     dtype=args.dtype, compile=args.compile)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
     else:
         try:
             cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1, device=args.device,
-                                  dtype=args.dtype)
+                                  dtype=args.dtype, compile=args.compile)
             tokenizer = check_pair(cfg)
             engine = build_engine(cfg)
         except (ModelLoadError, ValueError) as e:
@@ -149,7 +154,7 @@ def cmd_serve(args) -> int:
     from specserve.core.runner import ModelLoadError
 
     app_args = load_app_args(args.config)
-    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype"):
+    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:

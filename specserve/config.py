@@ -37,6 +37,7 @@ class SpecServeConfig:
     device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
     dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
     q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
+    compile: bool | str = "auto"  # torch.compile the forward: auto (on a GPU, where it pays), true, false
 
     def __post_init__(self):
         def need(ok: bool, what: str):
@@ -69,6 +70,7 @@ class SpecServeConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")
+        need(isinstance(self.compile, bool) or self.compile == "auto", "compile must be true, false or auto")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
              "api_key must be null or a non-empty string")
 

@@ -46,6 +46,31 @@ def test_forward_and_warp_make_every_tensor_on_the_models_device():
     assert audit.ops > 100 and not audit.strays, audit.strays[:10]
 
 
+def test_a_whole_round_stays_on_the_device():
+    """Drafting (k passes, drafts fed back from the device) and the batched acceptance rule, on
+    `meta`: a stray host tensor is recorded, and a read back to the host would raise."""
+    from specserve.verifier.acceptance import accept_on_device
+
+    target_model = tiny_model("llama", 64, seed=3).to("meta")
+    drafter = DraftModelProposer(ModelRunner(tiny_model("llama", 64, seed=4).to("meta"), slots=3))
+    target = ModelRunner(target_model, slots=3)
+    greedy, sampled = SamplingParams(seed=1), SamplingParams(temperature=0.8, top_p=0.9, seed=2)
+    with DeviceAudit("meta") as audit:
+        for i, prompt in enumerate([[1, 2, 3], [4, 5]]):
+            drafter.start(f"s{i}", prompt, greedy)
+            target.prefill(prompt[:-1], slot=i)
+        seqs = [drafter.seqs["s0"], drafter.seqs["s1"]]
+        logits = drafter._catch_up([(seqs[0], []), (seqs[1], [])])
+        qs, steps = drafter._draft_on_device(seqs, logits, [3, 2])
+        drafts = [[7, 8, 9], [10, 11]]  # stand-ins for the tokens, which stay on the device
+        scored = target.score_batch([(0, [3] + drafts[0]), (1, [5] + drafts[1])])
+        probs = [warp(scored[0], greedy), warp(scored[1], sampled)]
+        q = [None, warp(torch.zeros(2, 64, device="meta"), sampled)]
+        out = accept_on_device(drafts, q, probs, [None, None])
+    assert out.shape == (3, 2) and len(steps) == 3
+    assert audit.ops > 200 and not audit.strays, audit.strays[:10]
+
+
 def test_random_streams_live_on_the_requested_device():
     g = request_generator(1, "verify", 5, torch.device("cpu"))
     assert g.device == torch.device("cpu")

@@ -10,8 +10,15 @@ the target's distributions p_1..p_{k+1} at the same positions (all warped by the
 
 The emitted tokens are then distributed exactly as if drawn from p one at a time (Leviathan et
 al. 2023, Chen et al. 2023). Under greedy decoding p is the one-hot argmax, so the rule keeps a
-draft while it equals the target's argmax and writes the argmax at the first mismatch, and no
-random number is drawn: a draw happens only where the outcome is genuinely uncertain.
+draft while it equals the target's argmax and writes the argmax at the first mismatch.
+
+`accept_batch` applies the rule to every sequence of a round at once, on the device of the
+target's distributions (as vLLM's rejection sampler): the kept prefix is a cumulative product
+of the per-position tests, and the written token is an exponential race (argmax of w / E with
+E ~ Exp(1), which picks i with probability w_i / sum(w)) over the residual, or over p_{k+1}
+where a row kept everything. Random numbers come from each request's own generator (greedy
+requests pass None and draw nothing). The only device -> host transfer is the result: one
+small tensor per round.
 """
 
 from __future__ import annotations
@@ -20,7 +27,82 @@ from typing import Sequence
 
 import torch
 
-from specserve.core.sampling import sample
+
+def accept_batch(
+    draft_tokens: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    target_probs: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator | None],
+) -> list[tuple[int, int] | None]:
+    """One round of B sequences -> per sequence (num_accepted, next_token), or None where its
+    numbers are not finite (that request fails; the others are unaffected). See accept_on_device
+    for the arguments; this adds the round's one transfer to the host."""
+    if not draft_tokens:
+        return []
+    out = accept_on_device(draft_tokens, draft_probs, target_probs, generators).tolist()
+    return [(a, t) if ok else None for a, t, ok in zip(*out)]
+
+
+def accept_on_device(
+    draft_tokens: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    target_probs: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """The rule for B sequences, on the device of target_probs: a [3, B] long tensor of
+    (num_accepted, next_token, finite) per sequence. Reads nothing back to the host.
+
+    draft_tokens[b]: k_b ids (k_b may be 0). draft_probs[b]: [k_b, V], the distributions the drafts
+    were sampled from (normalised here: they may arrive rounded to the wire dtype), or None for a
+    deterministic drafter (q one-hot at each draft). target_probs[b]: [k_b + 1, V].
+    generators[b]: the request's generator, or None for a greedy request (p one-hot: no draw).
+    """
+    B = len(draft_tokens)
+    ks = [len(d) for d in draft_tokens]
+    for b in range(B):
+        p, q = target_probs[b], draft_probs[b]
+        if p.dim() != 2 or p.shape[0] != ks[b] + 1:
+            raise ValueError(f"target_probs must have k + 1 = {ks[b] + 1} rows, got shape {tuple(p.shape)}")
+        if q is not None and tuple(q.shape) != (ks[b], p.shape[1]):
+            raise ValueError(f"draft_probs must have shape {(ks[b], p.shape[1])}, got {tuple(q.shape)}")
+    dev, V, K = target_probs[0].device, target_probs[0].shape[1], max(ks)
+    p = torch.zeros(B, K + 1, V, device=dev)
+    q = torch.zeros(B, K + 1, V, device=dev)  # row k_b stays 0: the residual there is p (the bonus)
+    drafts = torch.tensor([list(d) + [0] * (K - len(d)) for d in draft_tokens], dtype=torch.long,
+                          device=dev).view(B, K)
+    for b in range(B):
+        p[b, : ks[b] + 1] = target_probs[b]
+        if ks[b] and draft_probs[b] is not None:
+            qb = draft_probs[b].to(device=dev, dtype=torch.float32)
+            q[b, : ks[b]] = qb / qb.sum(-1, keepdim=True)  # exactly what each draft was drawn from
+    one_hot = [b for b in range(B) if ks[b] and draft_probs[b] is None]
+    if one_hot:
+        rows = torch.tensor(one_hot, device=dev)
+        live = torch.arange(K, device=dev)[None, :] < torch.tensor([ks[b] for b in one_hot], device=dev)[:, None]
+        q[rows, :K] = torch.zeros(len(one_hot), K, V, device=dev).scatter_(-1, drafts[rows][..., None],
+                                                                            live[..., None].float())
+    # one uniform per draft position and one exponential per vocabulary entry, per sampled request
+    u = torch.zeros(B, max(K, 1), device=dev)
+    race = torch.ones(B, V, device=dev)
+    for b, g in enumerate(generators):
+        if g is not None:
+            u[b] = torch.rand(max(K, 1), generator=g, device=dev)
+            race[b].exponential_(generator=g)
+    u = u[:, :K]
+    px = p[:, :K].gather(2, drafts[..., None])[..., 0]
+    qx = q[:, :K].gather(2, drafts[..., None])[..., 0]
+    # keep x with probability min(1, p/q): always when p >= q (q(x) = 0 included), else when u < p/q
+    kept = (px >= qx) | (u * qx < px)
+    kept &= torch.arange(K, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
+    num_accepted = kept.long().cumprod(1).sum(1)  # the longest kept prefix
+    rows = torch.arange(B, device=dev)
+    pa, qa = p[rows, num_accepted], q[rows, num_accepted]
+    residual = (pa - qa).clamp(min=0.0)
+    # an all-zero residual is reachable only through rounding (p and q agree): fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pa)
+    next_token = (residual / race).argmax(-1)
+    finite = torch.isfinite(p).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)
+    return torch.stack([num_accepted, next_token, finite.long()])
 
 
 def accept(
@@ -29,34 +111,8 @@ def accept(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """Returns (num_accepted, next_token).
-
-    draft_tokens: k token ids. draft_probs: [k, V] distributions the drafts were sampled from,
-    or None for a drafter that proposes deterministically (q is then one-hot at each draft).
-    target_probs: [k + 1, V]. next_token is the correction at the first rejection, or the
-    bonus token when all k are kept.
-    """
-    k = len(draft_tokens)
-    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs must have k + 1 = {k + 1} rows, got shape {tuple(target_probs.shape)}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
-        raise ValueError(f"draft_probs must have shape {(k, target_probs.shape[1])}, got {tuple(draft_probs.shape)}")
-
-    for i, x in enumerate(draft_tokens):
-        p = target_probs[i].double()
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[x] = 1.0
-        else:
-            q = draft_probs[i].double()
-            q = q / q.sum()  # exactly what the draft was sampled from (q may come rounded to the wire dtype)
-        px, qx = float(p[x]), float(q[x])
-        if px >= qx:  # ratio >= 1 (covers q(x) = 0 < p(x), and p == q): always kept
-            continue
-        if px > 0.0 and float(torch.rand((), dtype=torch.float64, device=p.device, generator=generator)) < px / qx:
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        if float(residual.sum()) <= 0.0:  # only reachable through rounding: p and q agree
-            residual = p
-        return i, sample(residual / residual.sum(), generator)
-    return k, sample(target_probs[k].double(), generator)
+    """One sequence: (num_accepted, next_token). See accept_batch; ValueError on non-finite input."""
+    (result,) = accept_batch([draft_tokens], [draft_probs], [target_probs], [generator])
+    if result is None:
+        raise ValueError("the distributions are not finite")
+    return result

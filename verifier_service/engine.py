@@ -4,7 +4,8 @@
         admit at most one waiting request (prefill its target slot; the drafter prefills too)
         draft k tokens for every running sequence       (ONE batched proposer call)
         score k+1 positions of every running sequence   (ONE batched target pass)
-        per sequence: accept, roll its target slot back to the accepted prefix, emit, stop
+        accept for every sequence at once (`accept_batch`: one device -> host transfer)
+        per sequence: roll its target slot back to the accepted prefix, emit, stop
         (the drafter rolls itself back on its next call, from the tokens it is told were committed)
 
 A target slot always holds every committed token but the last ("pending") one, so a round scores
@@ -36,7 +37,7 @@ from typing import Callable
 from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
-from specserve.verifier.acceptance import accept
+from specserve.verifier.acceptance import accept_batch
 
 
 log = logging.getLogger("specserve.engine")
@@ -355,7 +356,8 @@ class SpeculativeEngine:
                 log.warning("release of %d sequences failed: %s", len(ids), e)
 
     def _admit(self, req: Request) -> None:
-        req.slot = self.free_slots.pop()
+        req.slot = min(self.free_slots)  # the lowest: a batch of slots 0..b-1 reads the KV cache as a view
+        self.free_slots.remove(req.slot)
         self.running.append(req)
         try:
             self.target.prefill(req.prompt_ids[:-1], slot=req.slot)
@@ -384,16 +386,19 @@ class SpeculativeEngine:
                     drafts[i] = draft
                     running[i].unsent = []
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
-        for req, draft, lg, k in zip(running, drafts, logits, ks):
-            position = len(req.prompt_ids) + len(req.out)
-            try:
-                q = draft.probs.to(lg.device) if draft.probs is not None else None  # decoded q arrives on the host
-                num_accepted, next_token = accept(draft.tokens, q, warp(lg, req.params),
-                                                  request_generator(req.params.seed, "verify", position, lg.device))
-            except Exception as e:  # e.g. non-finite logits: this request fails, the round goes on
-                req.error = RequestFailed(str(e))
+        # the acceptance rule for the whole round, on the target's device: one transfer back
+        positions = [len(r.prompt_ids) + len(r.out) for r in running]
+        outcomes = accept_batch(
+            [d.tokens for d in drafts], [d.probs for d in drafts],
+            [warp(lg, r.params) for r, lg in zip(running, logits)],
+            [None if r.params.greedy else request_generator(r.params.seed, "verify", pos, lg.device)
+             for r, pos, lg in zip(running, positions, logits)])
+        for req, draft, outcome, k in zip(running, drafts, outcomes, ks):
+            if outcome is None:  # non-finite numbers: this request fails, the round goes on
+                req.error = RequestFailed("the model produced non-finite logits")
                 self._finish(req, "error")
                 continue
+            num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
             req.stats.record(k, num_accepted)
             req.stats.num_pipeline_hits += draft.pipeline_hit
