@@ -56,8 +56,8 @@ def ours(args, prompts, threads: int, compile: bool) -> dict:
     from specserve.builder import build_engine
     torch.set_num_threads(threads)
     if compile:
-        import torch._dynamo
-        torch._dynamo.reset()  # each compiled row compiles from scratch (inductor's disk cache stays)
+        from torch import _dynamo
+        _dynamo.reset()  # each compiled row compiles from scratch (inductor's disk cache stays)
     models = Path(args.models)
     out: dict = {"threads": threads, "compiled": compile}
     for kind, drafter, k in (("plain", None, 0), ("speculative", str(models / "drafter"), args.k)):
