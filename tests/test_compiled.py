@@ -90,3 +90,31 @@ def test_compiled_sampling_follows_the_target_distribution(compiled_pair):
     observed = np.append(counts[big], counts[small].sum())
     expected = np.append(n * p1[big], n * p1[small].sum())
     assert stats.chisquare(observed, expected * n / expected.sum()).pvalue > 1e-3
+
+
+RESTART = """
+import json, sys, time, torch
+from torch._dynamo.utils import counters
+from specserve.core.runner import ModelRunner
+from specserve.training.tiny import tiny_model
+t0 = time.perf_counter()
+runner = ModelRunner(tiny_model("llama", 64, seed=1, hidden=32, layers=1), slots=2, compile=True)
+runner.warmup((1, 3))
+print(json.dumps({"seconds": time.perf_counter() - t0, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_a_restart_reuses_the_compiled_code(tmp_path):
+    """The compiled code is kept in SPECSERVE_COMPILE_CACHE: a second process compiles nothing anew."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "SPECSERVE_COMPILE_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    runs = [json.loads(subprocess.run([sys.executable, "-c", RESTART], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["misses"] > 0 and runs[0]["hits"] == 0  # a cold cache: compiled
+    assert runs[1]["misses"] == 0 and runs[1]["hits"] == runs[0]["misses"]  # restarted: all from the cache
+    assert any((tmp_path / "cache").iterdir())
