@@ -85,10 +85,20 @@ def compile_cache_dir() -> str:
 
 def use_compile_cache() -> None:
     """Points inductor's on-disk caches (FX graph and AOT autograd caches, on by default) at
-    compile_cache_dir(), unless TORCHINDUCTOR_CACHE_DIR is set already."""
+    compile_cache_dir(), unless TORCHINDUCTOR_CACHE_DIR names a place of the user's (inductor
+    itself fills it in with a temporary folder, which does not survive a reboot or a new pod)."""
+    import getpass
+    import tempfile
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        default = os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    except Exception:  # no user name (some containers)
+        default = None
+    if current and current != default and "SPECSERVE_COMPILE_CACHE" not in os.environ:
+        return
     path = compile_cache_dir()
     os.makedirs(path, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
 def same_tokenizer(a, b) -> bool:
