@@ -81,6 +81,7 @@ APP_ARGS = {
     "use_gpu": (bool, type(None)),
     "cpus_per_actor": (int, float),
     "gpus_per_actor": (int, float),
+    "compile": (bool, str),
     "device": (str,),
     "dtype": (str,),
     "q_dtype": (str,),
