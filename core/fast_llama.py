@@ -29,7 +29,10 @@ length back.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import time
 
 import torch
@@ -70,6 +73,17 @@ def _rows_bucket(rows: int) -> int:
     return ROW_BUCKETS[-1] + 1
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 class GemmPlan:
     """On a CPU, decoding is bound by reading the weights, and MKL's speed for a few rows depends
     on the layout: measured on the reference machine (1 thread, a 1024 x 384 weight), F.linear
@@ -77,23 +91,50 @@ class GemmPlan:
     (w @ x.T).T 248 us against 393. So at load, for each weight shape and row-count bucket,
     the three layouts are timed over the model's own weights of that shape and the fastest is
     kept; a transposed copy is made only of weights some bucket uses it for. Results are shared
-    by every model of the same shapes in the process."""
+    by every model of the same shapes in the process, and kept in `store` (a JSON file, keyed by
+    shape, dtype, thread count and CPU model), so a restarted process measures nothing."""
 
-    _plans: dict[tuple, dict] = {}
+    _plans: dict[str, dict] = {}
     REPEATS = 3
 
-    def __init__(self, weights: list[torch.Tensor]):
+    def __init__(self, weights: list[torch.Tensor], store: str | None = None):
         by_shape: dict[tuple, list[torch.Tensor]] = {}
         for w in weights:
             by_shape.setdefault((tuple(w.shape), w.dtype), []).append(w)
         self.plan: dict[tuple, str] = {}
+        stored = self._load(store)
         for (shape, dtype), ws in by_shape.items():
-            key = (shape, dtype, torch.get_num_threads())
+            key = f"{'x'.join(map(str, shape))}|{dtype}|{torch.get_num_threads()}|{_cpu_model()}"
             if key not in self._plans:
-                self._plans[key] = self._measure(ws)
+                if key in stored:
+                    self._plans[key] = {int(rows): how for rows, how in stored[key].items()}
+                else:
+                    self._plans[key] = stored[key] = self._measure(ws)
+                    self._save(store, stored)
             self.plan.update({(shape, rows): how for rows, how in self._plans[key].items()})
         transposed_shapes = {shape for (shape, _), how in self.plan.items() if how == "transposed"}
         self.transposed = {w.data_ptr(): w.t().contiguous() for w in weights if tuple(w.shape) in transposed_shapes}
+
+    @staticmethod
+    def _load(store: str | None) -> dict:
+        try:
+            with open(store) as f:
+                return json.load(f)
+        except (TypeError, OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _save(store: str | None, plans: dict) -> None:
+        if store is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(store), exist_ok=True)
+            tmp = f"{store}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(plans, f)
+            os.replace(tmp, store)  # atomic: processes starting together never read half a file
+        except OSError:
+            pass  # an unwritable cache only costs the next process a measurement
 
     @classmethod
     @torch.inference_mode()
@@ -118,7 +159,8 @@ class GemmPlan:
 
 
 class FastLlama:
-    def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False):
+    def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False,
+                 plan_store: str | None = None):
         cfg = model.config
         self.cfg = cfg
         inner = model.model
@@ -144,7 +186,7 @@ class FastLlama:
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
         # Eager on a CPU: pick each weight's GEMM layout by measurement (see GemmPlan)
-        self.gemm = GemmPlan(self._weights()) if not compile and self.device.type == "cpu" else None
+        self.gemm = GemmPlan(self._weights(), plan_store) if not compile and self.device.type == "cpu" else None
 
     def _weights(self) -> list[torch.Tensor]:
         out = [self.lm_head]

@@ -77,8 +77,8 @@ def resolve_compile(compile: bool | str, device: torch.device) -> bool:
 
 
 def compile_cache_dir() -> str:
-    """Where compiled code is kept across restarts: $SPECSERVE_COMPILE_CACHE, else
-    ~/.cache/specserve/inductor."""
+    """Where compiled code (and the CPU GEMM plan, `fast_llama.GemmPlan`) is kept across
+    restarts: $SPECSERVE_COMPILE_CACHE, else ~/.cache/specserve/inductor."""
     return os.environ.get("SPECSERVE_COMPILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specserve",
                                                                       "inductor")
 
@@ -129,8 +129,9 @@ class ModelRunner:
         self.slots = slots
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
-        self.fast = (FastLlama(model, slots=slots, compile=compile) if fast and fast_llama_supports(model)
-                     else None)
+        self.fast = (FastLlama(model, slots=slots, compile=compile,
+                               plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"))
+                     if fast and fast_llama_supports(model) else None)
         if compile and self.fast is not None:
             use_compile_cache()
         self.caches: list[Cache | None] = [None] * slots  # HF path
