@@ -322,15 +322,29 @@ class FastLlama:
 
     # ---------------------------------------------------------------- compile
     def warmup(self, widths: tuple[int, ...] = (1, 5)) -> float:
-        """Runs the pass over the shape families serving uses (compact and gathered slots,
-        several widths and lengths), so compiling happens now and not on the first request.
-        Uses slot 0 and leaves every slot empty. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        saved = list(self.cache.lengths)
-        if any(saved):
+        """Runs the pass over the shape families serving uses (batches of 1 and 2, compact and
+        gathered slots, these widths, last position only or all), so compiling happens now and
+        not on the first request. Needs every slot empty, and leaves them so. If compiling fails
+        (a backend this machine lacks), the error is logged and the forward runs eagerly.
+        Returns the seconds it took."""
+        if any(self.cache.lengths):
             raise RuntimeError("warm up before serving: sequences are live")
-        shapes = [(1, w, last) for w in widths for last in (True, False)]
-        shapes += [(min(2, self.slots), w, last) for w in widths for last in (True, False)]
+        t0 = time.perf_counter()
+        try:
+            self._warm(widths)
+        except Exception:
+            if not self.compiled:
+                raise
+            log.exception("compiling the forward failed: it runs eagerly")
+            self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
+            self._warm(widths)
+        seconds = time.perf_counter() - t0
+        if self.compiled:
+            log.info("forward compiled and warm in %.1f s", seconds)
+        return seconds
+
+    def _warm(self, widths: tuple[int, ...]) -> None:
+        shapes = [(b, w, last) for b in (1, min(2, self.slots)) for w in widths for last in (True, False)]
         for i, (b, w, last_only) in enumerate(shapes):
             for slots in ([*range(b)], [*range(b)][::-1] if b > 1 else [self.slots - 1]):
                 if self.compiled:
@@ -341,7 +355,3 @@ class FastLlama:
                 self.forward([[1] * w] * b, slots, last_only=last_only)
         for s in range(self.slots):
             self.cache.reset(s)
-        seconds = time.perf_counter() - t0
-        if self.compiled:
-            log.info("forward compiled and warm in %.1f s", seconds)
-        return seconds

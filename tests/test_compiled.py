@@ -111,3 +111,20 @@ def test_a_restart_reuses_the_compiled_code(tmp_path, monkeypatch):
     assert runs[0][0] > 0 and runs[0][1] == 0  # a cold cache: code generated
     assert runs[1] == (0, runs[0][0])  # again: all of it from the cache
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_a_machine_that_cannot_compile_runs_eagerly(tmp_path, monkeypatch):
+    """No working C++ compiler (a slim container): warm-up logs the failure and the forward runs
+    eagerly, with the same numbers, instead of failing at the first request."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    monkeypatch.setenv("SPECSERVE_COMPILE_CACHE", str(tmp_path / "cache"))  # nothing cached to fall back on
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))
+    torch._dynamo.reset()
+    model = tiny_model("llama", 64, seed=2, hidden=40, layers=1)
+    runner = ModelRunner(model, slots=2, compile=True)
+    runner.warmup((1,))
+    assert not runner.compiled
+    eager = ModelRunner(model, slots=2)
+    torch.testing.assert_close(runner.prefill([1, 2, 3, 4]), eager.prefill([1, 2, 3, 4]))
