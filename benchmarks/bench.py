@@ -31,6 +31,7 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "fuzz": "generated bad requests against the HTTP endpoint: no 5xx",
                       "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)",
                       "wire": "size and encode/decode time of q on the wire",
+                      "forward": "pass time of the lean forward, with and without the CPU GEMM plan",
                       "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched"}
 
 

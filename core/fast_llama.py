@@ -86,9 +86,8 @@ def _cpu_model() -> str:
 
 class GemmPlan:
     """On a CPU, decoding is bound by reading the weights, and MKL's speed for a few rows depends
-    on the layout: measured on the reference machine (1 thread, a 1024 x 384 weight), F.linear
-    (x @ w.T) took 231 us for 1 row, x @ w_t with a transposed copy 152 us, and for 5 rows
-    (w @ x.T).T 248 us against 393. So at load, for each weight shape and row-count bucket,
+    on the layout (F.linear, x @ w_t with a transposed copy, or (w @ x.T).T are each fastest
+    somewhere; docs/benchmarks/forward.md has what it buys per pass). So at load, for each weight shape and row-count bucket,
     the three layouts are timed over the model's own weights of that shape and the fastest is
     kept; a transposed copy is made only of weights some bucket uses it for. Results are shared
     by every model of the same shapes in the process, and kept in `store` (a JSON file, keyed by

@@ -65,10 +65,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def resolve_compile(compile: bool | str, device: torch.device) -> bool:
-    """"auto": compile where it pays. Measured (docs/benchmarks/runtime.md): on this project's
-    reference CPU the lean forward is bound by reading the weights, and inductor gave no gain,
-    while compiling cost 10-60 s; on a GPU, CUDA graphs remove the per-kernel launch cost that
-    dominates small-batch decoding. So "auto" compiles on CUDA only."""
+    """"auto": compile where it pays. On the reference CPU the compiled rows of
+    docs/benchmarks/runtime.md were slower than the eager ones (decoding there is bound by reading
+    the weights); on a GPU, CUDA graphs remove the per-kernel launch cost that dominates
+    small-batch decoding. So "auto" compiles on CUDA only."""
     if compile == "auto":
         return device.type == "cuda"
     if not isinstance(compile, bool):

@@ -113,7 +113,3 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     race = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
     return (probs.float() / race).argmax(-1)
 
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution [V], read back to the host (see `draw`)."""
-    return int(draw(probs, generator))
