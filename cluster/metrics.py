@@ -24,6 +24,10 @@ class Metrics:
                                            registry=r)
         self.accepted_per_pos = Counter("specserve_spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted drafted tokens by draft position", ["position"], registry=r)
+        self.chosen_k = Histogram("specserve_spec_decode_chosen_k", "Draft length the speculation policy chose, per "
+                                  "round", registry=r, buckets=tuple(range(17)))
+        self.drafts_by_method = Counter("specserve_spec_decode_num_drafts_by_method", "Drafted rounds by proposer",
+                                        ["method"], registry=r)
         self.pipeline_hits = Counter("specserve_pipeline_hits", "Rounds whose draft was prepared by pipelining",
                                      registry=r)
         self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
@@ -49,6 +53,11 @@ class Metrics:
         for pos, n in enumerate(stats.get("num_accepted_tokens_per_pos", [])):
             self.accepted_per_pos.labels(str(pos)).inc(n)
         self.pipeline_hits.inc(stats.get("num_pipeline_hits", 0))
+        for k, n in enumerate(stats.get("rounds_by_k", [])):
+            for _ in range(n):
+                self.chosen_k.observe(k)
+        for method, n in stats.get("drafts_by_method", {}).items():
+            self.drafts_by_method.labels(method).inc(n)
 
     def render(self, loads: list[dict]) -> bytes:
         self.running.set(sum(x["running"] for x in loads))

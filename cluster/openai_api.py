@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from specserve.core.sampling import MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
+SPECULATIVE_METHODS = ("draft_model", "ngram", "none")  # as specserve.verifier.engine.METHODS
 MAX_STOP_CHARS = 256
 
 
@@ -78,7 +79,8 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     speculative: bool = True
-    k: int | None = None  # None: the deployment's k
+    k: int | None = None  # None: the deployment's k (the most per round under the adaptive policy)
+    method: str | None = None  # the proposer: draft_model, ngram or none (None: the deployment's default)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
 
@@ -131,8 +133,9 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
         raise _bad(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", "stop")
     spec = body.get("speculative")
     if spec is not None:
-        if not isinstance(spec, dict) or set(spec) - {"enabled", "k"}:
-            raise _bad("'speculative' must be an object with optional 'enabled' (bool) and 'k' (int)", "speculative")
+        if not isinstance(spec, dict) or set(spec) - {"enabled", "k", "method"}:
+            raise _bad("'speculative' must be an object with optional 'enabled' (bool), 'k' (int) and 'method' "
+                       f"(one of {SPECULATIVE_METHODS})", "speculative")
         enabled = spec.get("enabled", True)
         if not isinstance(enabled, bool):
             raise _bad("'speculative.enabled' must be a boolean", "speculative.enabled")
@@ -141,6 +144,12 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
         if k is not None and not (_is_int(k) and 0 <= k <= 16):
             raise _bad("'speculative.k' must be an integer in [0, 16]", "speculative.k")
         req.k = k
+        method = spec.get("method")
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise _bad(f"'speculative.method' must be one of {SPECULATIVE_METHODS}", "speculative.method")
+        if method == "none":
+            req.speculative = False
+        req.method = method if method != "none" else None
     return req
 
 
@@ -252,9 +261,13 @@ def completion_response(cid: str, model: str, text: str, finish_reason: str, usa
             "usage": usage, "speculative": speculative}
 
 
-def speculative_block(enabled: bool, k: int, stats: dict) -> dict:
-    """This request's speculation figures, in vLLM's metric names."""
-    return {"enabled": enabled, "k": k, "num_drafts": stats.get("num_drafts", 0),
+def speculative_block(enabled: bool, k: int, stats: dict, method: str | None = None) -> dict:
+    """This request's speculation figures, in vLLM's metric names, plus the proposer (method),
+    its drafted rounds by proposer (the n-gram one stands in while a drafter is down) and the
+    rounds by the k the policy chose."""
+    return {"enabled": enabled, "method": method if enabled else "none", "k": k,
+            "rounds_by_k": stats.get("rounds_by_k", []), "drafts_by_method": stats.get("drafts_by_method", {}),
+            "num_drafts": stats.get("num_drafts", 0),
             "num_draft_tokens": stats.get("num_draft_tokens", 0),
             "num_accepted_tokens": stats.get("num_accepted_tokens", 0),
             "acceptance_rate": stats.get("acceptance_rate", 0.0),

@@ -56,7 +56,7 @@ class PairReplica:
             self.drafter = start_drafter(cfg, strategy)
         self.engine = build_engine(cfg, self.drafter.address if self.drafter else None)
         self.engine.start()
-        self.k = cfg.k if self.engine.proposer is not None else 0
+        self.k = cfg.k if self.engine.proposers else 0
 
     async def generate(self, request: dict):
         """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"})."""
@@ -71,7 +71,7 @@ class PairReplica:
         try:
             self.engine.submit(
                 request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
-                request_id=request["id"], ignore_eos=request.get("ignore_eos", False),
+                request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
                 on_tokens=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
         except ValueError as e:
@@ -93,7 +93,8 @@ class PairReplica:
                 elif item.error is not None:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
                 else:
-                    yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k}
+                    yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k,
+                           "method": item.method}
                 return
         finally:
             if not finished:  # the client went away: free the slots on both sides
@@ -247,7 +248,8 @@ class OpenAIIngress:
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                   seed=req.seed).to_dict()
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
-                    "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos}
+                    "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
+                    "method": req.method}
         stream = self.pair.options(stream=True).generate.remote(upstream)
         cid, timer = completion_id(), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop)
@@ -292,7 +294,7 @@ class OpenAIIngress:
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
                  "total_tokens": len(prompt_ids) + n_tokens}
         spec = speculative_block(req.speculative and bool(final and final.get("k")),
-                                 final.get("k", 0) if final else 0, stats)
+                                 final.get("k", 0) if final else 0, stats, final.get("method") if final else None)
         self.metrics.finished(finish_reason, timer.elapsed(), usage, stats)
         return completion_response(cid, req.model, text, finish_reason, usage, spec, chat=chat)
 

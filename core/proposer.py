@@ -1,7 +1,7 @@
 """The proposer interface: what suggests the k draft tokens, behind one small interface (as
 vLLM's `spec_decode` proposers and HF's `CandidateGenerator`). Implementations: the draft model
-(`specserve.drafter.draft_model`), and on the verifier's side the remote drafter over gRPC
-(`specserve.verifier.client`).
+(`specserve.drafter.draft_model`), on the verifier's side the remote drafter over gRPC
+(`specserve.verifier.client`), and the model-free n-gram proposer (`specserve.verifier.ngram`).
 
 A proposer holds sequences by id. On every call it is told, per sequence, only which tokens were
 committed since its last call; it works out how much of its cached drafting survived, rolls the
@@ -29,7 +29,18 @@ class Draft:
 class ProposeItem:
     seq_id: str
     new_tokens: list[int]  # committed since the previous propose (or since start)
-    k: int
+    k: int  # at most this many drafts; 0: only take in new_tokens (stay caught up), draft nothing
+    min_confidence: float = 0.0  # stop before a position whose top q is below this (see confidence_cut)
+
+
+def confidence_cut(top_probs: list[float], threshold: float) -> int:
+    """How many drafts to keep: those before the first position whose distribution's largest
+    probability is below threshold. The cut depends on q at a position, never on the token drawn
+    there, so speculative sampling stays exact."""
+    for i, c in enumerate(top_probs):
+        if c < threshold:
+            return i
+    return len(top_probs)
 
 
 class CapacityError(RuntimeError):

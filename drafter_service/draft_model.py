@@ -3,7 +3,8 @@
 It holds one KV-cache slot per live sequence in a `ModelRunner`. On each call it is told which
 tokens were committed since its last call, rolls its cache back to the longest prefix that agrees
 with them, feeds the rest and drafts; all sequences of a call advance together (one batched
-drafter pass per drafted position).
+drafter pass per drafted position). A draft stops early before a position whose top q is below
+the item's `min_confidence` (`confidence_cut`); k = 0 only takes in the committed tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer, common_prefix_len
+from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer, common_prefix_len, confidence_cut
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, draw, request_generator, warp
 
@@ -61,7 +62,7 @@ class DraftModelProposer(Proposer):
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         seqs = [self.seqs[item.seq_id] for item in items]
         logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
-        return self._draft(seqs, logits, [item.k for item in items])
+        return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items])
 
     def _catch_up(self, updates: list[tuple[_Seq, list[int]]]) -> list[torch.Tensor]:
         """Commit new tokens, roll each cache back to what agrees with them, feed the rest.
@@ -78,23 +79,33 @@ class DraftModelProposer(Proposer):
             seq.cached = list(seq.tokens)
         # Sampled requests: one token per forward, so a cache holds the same numbers whichever path
         # led to it (on demand or pipelined): q, and so sampled output, does not depend on timing.
-        # Greedy output never depends on the drafter's numbers, so greedy batches feed all at once.
-        if all(seq.params.greedy for seq, _ in updates):
-            out = self.runner.score_batch([(seq.slot, t) for (seq, _), t in zip(updates, todo)], last_only=True)
-            return [row[-1] for row in out]
+        # Greedy output never depends on the drafter's numbers, so greedy sequences feed all at
+        # once; so do longer catch-ups (after rounds without drafting), which no pipelined path mirrors.
         logits: list[torch.Tensor | None] = [None] * len(updates)
-        for step in range(max(len(t) for t in todo)):
-            live = [i for i, t in enumerate(todo) if step < len(t)]
+        at_once = [i for i, ((seq, _), t) in enumerate(zip(updates, todo))
+                   if seq.params.greedy or len(t) > self.ONE_BY_ONE]
+        if at_once:
+            out = self.runner.score_batch([(updates[i][0].slot, todo[i]) for i in at_once], last_only=True)
+            for i, row in zip(at_once, out):
+                logits[i] = row[-1]
+        stepwise = [i for i in range(len(updates)) if logits[i] is None]
+        for step in range(max((len(todo[i]) for i in stepwise), default=0)):
+            live = [i for i in stepwise if step < len(todo[i])]
             out = self.runner.score_batch([(updates[i][0].slot, [todo[i][step]]) for i in live], last_only=True)
             for i, row in zip(live, out):
                 logits[i] = row[-1]
         return logits
 
-    def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]) -> list[Draft]:
+    ONE_BY_ONE = 17  # the most tokens a round commits (k <= 16 drafts + 1)
+
+    def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int],
+               min_confidence: list[float] | None = None) -> list[Draft]:
         """k_i tokens per sequence, one batched pass per position (`_draft_on_device`); drafts
-        and confidences then come to the host in one transfer."""
+        and confidences then come to the host in one transfer, and each draft is cut at its
+        first position below min_confidence."""
         qs, steps = self._draft_on_device(seqs, logits, ks)
         drafts: list[list[int]] = [[] for _ in seqs]
+        tops: list[list[float]] = [[] for _ in seqs]
         for seq in seqs:
             seq.confidence = []
         if steps:
@@ -102,23 +113,25 @@ class DraftModelProposer(Proposer):
             at = 0
             for step, (live, _) in enumerate(steps):
                 for i in live:
-                    x, qx, alt, qalt = host[at]
+                    x, qx, alt, qalt, top = host[at]
                     at += 1
                     drafts[i].append(int(x))
+                    tops[i].append(top)
                     seqs[i].confidence.append((qx, int(alt), qalt))
                     if step < ks[i] - 1:
                         seqs[i].cached.append(int(x))
-        return [Draft(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+        cuts = [confidence_cut(t, c) for t, c in zip(tops, min_confidence or [0.0] * len(seqs))]
+        return [Draft(d[:n], torch.stack(q[:n]) if q[:n] else None) for d, q, n in zip(drafts, qs, cuts)]
 
     def _draft_on_device(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]):
         """The drafting loop, all on the drafter's device: drafted tokens are fed back from there.
-        Returns (q rows per sequence, per step (live rows, [rows, 4] of token, q(token), runner-up,
-        q(runner-up)))."""
+        Returns (q rows per sequence, per step (live rows, [rows, 5] of token, q(token), runner-up,
+        q(runner-up), largest q))."""
         device = self.runner.device
         generators = [None if seq.params.greedy else
                       request_generator(seq.params.seed, "draft", len(seq.tokens), device) for seq in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, [rows, 4]: token, q(token), runner-up, q(it))
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, [rows, 5]: see above)
         rows_logits = torch.stack(logits)  # [n, V]: each sequence's logits for its next position
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if step < k]
@@ -138,7 +151,7 @@ class DraftModelProposer(Proposer):
                 alt = torch.where(top.indices[0] == x, top.indices[1], top.indices[0])
                 tokens.append(x)
                 picked = q.gather(-1, torch.stack([x, alt])).double()  # (q(x), q(alt)); q[x] would read x
-                info.append(torch.stack([x.double(), picked[0], alt.double(), picked[1]]))
+                info.append(torch.stack([x.double(), picked[0], alt.double(), picked[1], top.values[0].double()]))
             xs = torch.stack(tokens)
             steps.append((live, torch.stack(info)))
             feed = [j for j, i in enumerate(live) if step < ks[i] - 1]
@@ -154,11 +167,14 @@ class DraftModelProposer(Proposer):
 
     def guess_bonus(self, seq_ids: list[str], last_drafts: list[list[int]]) -> list[int]:
         """Feed each sequence's last drafted token (one batched pass) and return the drafter's
-        argmax after it: its guess of the target's bonus token if every draft is accepted."""
+        argmax after it: its guess of the target's bonus token if every draft is accepted. A
+        draft cut short by confidence holds drafted tokens past its end: they are rolled back."""
         seqs = [self.seqs[s] for s in seq_ids]
-        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
         for seq, d in zip(seqs, last_drafts):
-            seq.cached.append(d[-1])
+            keep = len(seq.tokens) + len(d) - 1  # committed + d_1 .. d_{n-1}, all in the cache
+            self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
+            seq.cached = seq.cached[:keep] + [d[-1]]
+        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
         return torch.cat(out).argmax(-1).tolist()  # one transfer
 
     def uncommit(self, seq_id: str, length: int) -> None:

@@ -16,6 +16,10 @@ verification and drafts round r+1 as if that outcome had been committed. Two pol
 - Miss: the guess is discarded: the committed tokens are reset and the KV cache rolls back to
   the longest prefix that agrees with what was really committed, then round r+1 is drafted.
 
+The prepared draft uses the sequence's last k and confidence threshold. It serves a request for
+the same threshold and at most that k (cut to k: a shorter draft is a prefix of a longer one);
+anything else is a miss. A k = 0 call (only catching up) is never served from a prepared draft.
+
 Output is unchanged by this: a sampled draft's random stream is derived from the committed
 length (see specserve.core.sampling.request_generator), and the drafter feeds one token per pass, so a prepared
 draft equals the one that would have been drafted on demand.
@@ -36,6 +40,8 @@ class _Prepared:
     base: int  # committed length before the assumed tokens
     assumed: list[int]
     draft: Draft
+    k: int  # asked for (the draft may be shorter: cut by confidence)
+    min_confidence: float
     confidence: list[tuple[float, int, float]]  # the draft's, see DraftModelProposer
 
 
@@ -47,6 +53,7 @@ class PipelinedProposer(Proposer):
         self.inner = inner
         self.max_length = inner.max_length
         self.last: dict[str, Draft] = {}  # the draft most recently returned, per sequence
+        self.last_ask: dict[str, tuple[int, float]] = {}  # its (k, min_confidence)
         self.last_conf: dict[str, list[tuple[float, int, float]]] = {}
         # what the verifier did with past drafts, for "most-likely": rounds seen, rounds with all
         # drafts accepted / with the first rejected, and how often g / the runner-up was right
@@ -67,12 +74,15 @@ class PipelinedProposer(Proposer):
             self._observe(item)
             prepared = self.ready.pop(item.seq_id, None)
             if prepared is not None:
-                if prepared.assumed == item.new_tokens and len(prepared.draft.tokens) == item.k:
+                if (prepared.assumed == item.new_tokens and 0 < item.k <= prepared.k
+                        and prepared.min_confidence == item.min_confidence):
                     self.hits += 1
-                    out[i] = Draft(prepared.draft.tokens, prepared.draft.probs, pipeline_hit=True)
+                    d = prepared.draft
+                    out[i] = Draft(d.tokens[:item.k], d.probs[:item.k] if d.probs is not None else None,
+                                   pipeline_hit=True)
                     self.last_conf[item.seq_id] = prepared.confidence
                     continue
-                self.misses += 1
+                self.misses += item.k > 0
                 self.inner.uncommit(item.seq_id, prepared.base)  # propose() rolls the cache back
             todo.append(i)
         if todo:
@@ -81,6 +91,7 @@ class PipelinedProposer(Proposer):
                 self.last_conf[items[i].seq_id] = list(self.inner.confidence(items[i].seq_id))
         for item, draft in zip(items, out):
             self.last[item.seq_id] = draft
+            self.last_ask[item.seq_id] = (item.k, item.min_confidence)
         return out
 
     def _observe(self, item: ProposeItem) -> None:
@@ -109,7 +120,8 @@ class PipelinedProposer(Proposer):
         of their verification. Runs between rounds, as one batch."""
         ids = [s for s in seq_ids if s in self.inner.seqs and s not in self.ready and self.last.get(s)
                and self.last[s].tokens
-               and self.inner.committed_length(s) + 2 * len(self.last[s].tokens) + 1 <= self.max_length]
+               and self.inner.committed_length(s) + len(self.last[s].tokens) + self.last_ask[s][0] + 1
+               <= self.max_length]
         if not ids:
             return
         bases = {s: self.inner.committed_length(s) for s in ids}
@@ -120,9 +132,9 @@ class PipelinedProposer(Proposer):
             for s, d, g in zip(full, lasts, self.inner.guess_bonus(full, lasts)):
                 assumed[s] = d + [g]
                 self.guessed[s] = g
-        drafts = self.inner.propose([ProposeItem(s, assumed[s], len(self.last[s].tokens)) for s in ids])
+        drafts = self.inner.propose([ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids])
         for s, d in zip(ids, drafts):
-            self.ready[s] = _Prepared(bases[s], assumed[s], d, list(self.inner.confidence(s)))
+            self.ready[s] = _Prepared(bases[s], assumed[s], d, *self.last_ask[s], list(self.inner.confidence(s)))
 
     def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
         """The committed tokens of the outcome "d_1 rejected, runner-up written" when it has been
@@ -137,6 +149,7 @@ class PipelinedProposer(Proposer):
     def release(self, seq_id: str) -> None:
         self.inner.release(seq_id)
         self.last.pop(seq_id, None)
+        self.last_ask.pop(seq_id, None)
         self.last_conf.pop(seq_id, None)
         self.guessed.pop(seq_id, None)
         self.ready.pop(seq_id, None)

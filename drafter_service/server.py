@@ -121,13 +121,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 seq = self.inner.seqs.get(item.seq_id)
                 if seq is None:
                     raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown sequence id {item.seq_id!r}")
-                if not 1 <= item.k <= MAX_K:
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {item.k}")
+                if not 0 <= item.k <= MAX_K:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [0, {MAX_K}], got {item.k}")
+                if not 0.0 <= item.min_confidence <= 1.0:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"min_confidence must be in [0, 1], got {item.min_confidence}")
                 new_tokens = self._check_tokens(item.new_tokens, "new_tokens")
                 if len(seq.tokens) + len(new_tokens) + item.k > self.max_length:
                     raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
-                items.append(ProposeItem(item.seq_id, new_tokens, item.k))
+                items.append(ProposeItem(item.seq_id, new_tokens, item.k, item.min_confidence))
             drafts = self.proposer.propose(items)
             now = time.monotonic()
             for item in items:

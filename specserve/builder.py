@@ -2,6 +2,9 @@
 here, so every path gets the same checks (model folders load, drafter and target share one
 tokenizer, the drafter's vocabulary matches over the wire):
 
+Every engine built here has the n-gram proposer too (the default without a drafter, the
+fallback while the drafter is down) and the config's speculation policy.
+
 - `build_engine(cfg)`: in process, the target and (if any) the drafter in this process
   (`specserve generate`, benchmarks, tests);
 - `build_engine(cfg, drafter)`: the verifier's side of a distributed pair, drafting over gRPC
@@ -52,7 +55,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
         drafter.warmup(widths=(1,))
         proposer = DraftModelProposer(drafter)
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
-                             max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s)
+                             max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s,
+                             ngram=True, speculation=cfg.speculation, max_k=max(cfg.k, 1))
 
 
 class DrafterHandle:

@@ -86,7 +86,11 @@ def cmd_generate(args) -> int:
     if args.k < 0:
         raise CLIError(f"-k must be >= 0, got {args.k}")
     sampling = sampling_from_args(args)
-    target, drafter = resolve_pair(args.target, args.drafter, args.no_speculation or args.k == 0)
+    no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
+    target, drafter = resolve_pair(args.target, args.drafter, no_drafter)
+    method = "none" if args.no_speculation or args.k == 0 else args.method
+    if args.distributed and method not in (None, "draft_model"):
+        raise CLIError("--method ngram/none runs in process: drop --distributed")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed:
@@ -94,13 +98,14 @@ def cmd_generate(args) -> int:
         try:  # generate_distributed checks paths and the shared vocabulary before any actor starts
             result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
                                                      args.k, pipeline=not args.no_pipeline, device=args.device,
-                                                     dtype=args.dtype, compile=args.compile)
+                                                     dtype=args.dtype, compile=args.compile,
+                                                     speculation=args.speculation)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
     else:
         try:
             cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1, device=args.device,
-                                  dtype=args.dtype, compile=args.compile)
+                                  dtype=args.dtype, compile=args.compile, speculation=args.speculation)
             tokenizer = check_pair(cfg)
             engine = build_engine(cfg)
         except (ModelLoadError, ValueError) as e:
@@ -108,7 +113,7 @@ def cmd_generate(args) -> int:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
         t0 = time.perf_counter()
         try:
-            result = engine.generate(prompt_ids, args.max_tokens, sampling, args.k)
+            result = engine.generate(prompt_ids, args.max_tokens, sampling, args.k, method=method)
         except ValueError as e:
             raise CLIError(str(e)) from None
         elapsed = time.perf_counter() - t0
@@ -154,11 +159,11 @@ def cmd_serve(args) -> int:
     from specserve.core.runner import ModelLoadError
 
     app_args = load_app_args(args.config)
-    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile"):
+    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
-        app_args["drafter"] = None
+        app_args["drafter"], app_args["k"] = None, 0
     if args.api_key:
         app_args["api_key"] = args.api_key
     try:
@@ -229,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.add_argument("-k", type=int, default=4, help="draft tokens per round (0 = plain decoding)")
     g.add_argument("--no-speculation", action="store_true", help="plain target decoding through the same runner")
+    g.add_argument("--method", choices=["draft_model", "ngram", "none"], default=None,
+                   help="the proposer (default: the drafter; ngram: prompt lookup, no drafter model)")
+    g.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: the policy picks k <= -k each round (0 when it does not pay); fixed: always k")
     g.add_argument("--distributed", action="store_true", help="drafter and verifier as Ray actors over gRPC")
     g.add_argument("--no-pipeline", action="store_true", help="with --distributed: draft only when asked")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -245,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-k", type=int, default=None)
     s.add_argument("--num-pairs", dest="num_pairs", type=int, default=None)
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
-    s.add_argument("--no-speculation", action="store_true")
+    s.add_argument("--no-speculation", action="store_true", help="plain decoding: no drafter and k = 0")
+    s.add_argument("--speculation", choices=["adaptive", "fixed"], default=None,
+                   help="the speculation policy (default: adaptive)")
     add_device_args(s, default=None)
     s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")

@@ -14,14 +14,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
 PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+SPECULATION_POLICIES = ("adaptive", "fixed")  # specserve.verifier.policy
 
 
 @dataclass
 class SpecServeConfig:
     model: str = "specserve-demo"  # the served model name
     target: str = str(DEFAULT_MODEL_DIR / "target")  # local HF folder of the target
-    drafter: str | None = str(DEFAULT_MODEL_DIR / "drafter")  # local HF folder of the drafter; None: no speculation
-    k: int = 4  # draft tokens per round
+    drafter: str | None = str(DEFAULT_MODEL_DIR / "drafter")  # local HF folder of the drafter; None: n-gram drafting
+    k: int = 4  # the most draft tokens per round (0: no speculation)
+    speculation: str = "adaptive"  # adaptive: the policy picks k <= this per round (0 when it does not pay); fixed: k
     pipeline: bool | str = True  # False, True (the default policy) or a name from PIPELINE_POLICIES
     max_num_seqs: int = 8  # sequences batched together in each round, per pair
     max_waiting: int = 64  # queued requests per pair beyond which new ones are refused (HTTP 503)
@@ -50,6 +52,8 @@ class SpecServeConfig:
         if self.drafter == "":
             self.drafter = None
         need(_is_int(self.k) and self.k >= 0, f"k must be an integer >= 0, got {self.k!r}")
+        need(self.speculation in SPECULATION_POLICIES,
+             f"speculation must be one of {SPECULATION_POLICIES}, got {self.speculation!r}")
         need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
              f"pipeline must be true, false or one of {PIPELINE_POLICIES}, got {self.pipeline!r}")
         need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")

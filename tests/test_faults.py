@@ -34,12 +34,15 @@ def step_until(engine, cond, timeout_s=30.0):
         time.sleep(0.01)
 
 
-def test_drafter_dies_mid_generation_then_comes_back(models):
+@pytest.mark.parametrize("fallback", [False, True], ids=["target-only", "ngram-fallback"])
+def test_drafter_dies_mid_generation_then_comes_back(models, fallback):
+    """Without the n-gram proposer the sequences decode target-only while the drafter is down;
+    with it (as `build_engine` makes every engine) they are drafted for by prompt lookup."""
     target, drafter = models
     server, port, _ = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=8)
     address = [f"127.0.0.1:{port}"]
     engine = SpeculativeEngine(ModelRunner(target, slots=4), RemoteProposer(lambda: address[0]), eos_ids=set(),
-                               max_num_seqs=4)
+                               max_num_seqs=4, ngram=fallback)
     reqs = [engine.submit(p, N, SamplingParams(), k=3) for p in PROMPTS]
     for _ in range(3):
         engine.step()
@@ -50,16 +53,19 @@ def test_drafter_dies_mid_generation_then_comes_back(models):
     server.stop(0)  # the drafter is gone
     engine.step()  # its Propose fails: the round runs target-only, nothing fails
     assert engine.health()["status"] == "degraded" and "drafter" in engine.health()["reason"]
-    assert not any(r.done.is_set() for r in reqs) and not any(r.drafting for r in reqs)
+    assert not any(r.done.is_set() for r in reqs)
+    assert [r.via for r in reqs] == (["ngram"] * len(reqs) if fallback else [None] * len(reqs))
     for _ in range(2):
         engine.step()
-    assert sum(r.stats.num_draft_tokens for r in reqs) == drafted_before  # plain decoding meanwhile
+    if not fallback:
+        assert sum(r.stats.num_draft_tokens for r in reqs) == drafted_before  # plain decoding meanwhile
 
     server2, port2, servicer2 = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=8)  # back, new port
     address[0] = f"127.0.0.1:{port2}"
     try:
         step_until(engine, lambda: engine.health()["status"] == "ok")
         assert servicer2.live_sequences == sum(not r.done.is_set() for r in reqs)  # re-started on the new drafter
+        assert all(r.via == "draft_model" for r in reqs if not r.done.is_set())
         step_until(engine, lambda: all(r.done.is_set() for r in reqs))
         assert sum(r.stats.num_draft_tokens for r in reqs) > drafted_before  # speculation resumed
         for p, r in zip(PROMPTS, reqs):

@@ -160,6 +160,29 @@ def test_metrics_follow_usage(server, client):
     assert metric(server, "specserve_e2e_request_latency_seconds_count") >= 3
 
 
+def test_per_request_proposer_and_the_chosen_k_in_metrics(server, client):
+    """`speculative.method` picks the proposer per request: ngram (prompt lookup) and none give
+    the same greedy text as the drafter; the k chosen per round reaches the response and /metrics."""
+    prompt = "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n"
+    rounds_before = metric(server, "specserve_spec_decode_chosen_k_count")
+    texts = {}
+    for method in ("draft_model", "ngram", "none"):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"speculative": {"method": method}})
+        spec = r.model_extra["speculative"]
+        assert spec["method"] == method and spec["enabled"] == (method != "none")
+        if method == "none":
+            assert spec["num_drafts"] == 0 and not any(spec["rounds_by_k"][1:])
+        assert set(spec["drafts_by_method"]) <= ({method} if method != "none" else set())
+        texts[method] = r.choices[0].text
+        rounds = sum(spec["rounds_by_k"])
+    assert texts["ngram"] == texts["draft_model"] == texts["none"]
+    assert metric(server, "specserve_spec_decode_chosen_k_count") - rounds_before >= rounds > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"speculative": {"method": "eagle"}})
+    assert e.value.body["param"] == "speculative.method"
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False)
                            | st.text(max_size=20), lambda c: st.lists(c, max_size=4)
                            | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=8)
@@ -170,7 +193,8 @@ fields = st.fixed_dictionaries({}, optional={
     "top_p": st.floats(-0.5, 1.5) | json_values, "top_k": st.integers(-3, 50) | json_values,
     "seed": st.integers(-5, 2 ** 64) | json_values, "stop": st.text(max_size=3) | json_values,
     "stream": st.booleans() | json_values, "n": st.integers(0, 3) | json_values,
-    "speculative": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "k": st.integers(-2, 20)})
+    "speculative": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "k": st.integers(-2, 20),
+                                                       "method": st.sampled_from(["ngram", "none", "draft_model", "x"])})
     | json_values})
 
 

@@ -110,11 +110,12 @@ class RemoteProposer(Proposer):
         for item in items:
             self.rounds[item.seq_id] += 1
         reply = self._call("Propose", pb.ProposeRequest(items=[pb.ProposeItem(
-            seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k)
+            seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k,
+            min_confidence=item.min_confidence)
             for item in items]), sum(len(item.new_tokens) + item.k for item in items))
         drafts = []
         for item, d in zip(items, reply.drafts, strict=True):
-            if d.seq_id != self._wire_id(item.seq_id) or d.round != self.rounds[item.seq_id] or len(d.tokens) != item.k:
+            if d.seq_id != self._wire_id(item.seq_id) or d.round != self.rounds[item.seq_id] or len(d.tokens) > item.k:
                 raise DrafterUnavailable(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
                                          f"to ({item.seq_id}, round {self.rounds[item.seq_id]}, k={item.k})")
             probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None

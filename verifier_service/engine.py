@@ -2,7 +2,8 @@
 
     each round (`step`):
         admit at most one waiting request (prefill its target slot; the drafter prefills too)
-        draft k tokens for every running sequence       (ONE batched proposer call)
+        choose k for every running sequence             (`policy.SpeculationPolicy`)
+        draft up to k tokens for each                   (ONE batched call per proposer in use)
         score k+1 positions of every running sequence   (ONE batched target pass)
         accept for every sequence at once (`accept_batch`: one device -> host transfer)
         per sequence: roll its target slot back to the accepted prefix, emit, stop
@@ -13,11 +14,15 @@ A target slot always holds every committed token but the last ("pending") one, s
 rounds; k = 0 (or no proposer) is plain decoding through the same loop, so baselines share it.
 `generate` is one request through this loop; `submit` + a background `start()`ed loop serves many.
 
+Proposers, chosen per request (`method`): "draft_model" (the drafter: in process or remote),
+"ngram" (prompt lookup, no model: `ngram.NgramProposer`, when the engine is built with
+ngram=True) and "none". The default is the drafter when there is one, else the n-gram proposer.
+
 Failures stay where they belong:
-- the proposer fails (an RPC error, a missed deadline): every affected sequence continues as
-  target-only decoding (k = 0; greedy output is unchanged), `health()` says "degraded", and once
-  the proposer has recovered (a remote drafter restarted or recreated, found again) running and
-  new sequences are started on it afresh and speculation resumes;
+- the drafter fails (an RPC error, a missed deadline): every affected sequence continues on the
+  n-gram proposer (or target-only without one; greedy output is unchanged either way),
+  `health()` says "degraded", and once the drafter has recovered (a remote drafter restarted or
+  recreated, found again) running and new sequences are started on it afresh;
 - one request fails (non-finite numbers, its own callback, its timeout): it alone ends with an
   error, the rest of its round continues;
 - no lock is held across a call to the proposer (a network call for a remote drafter): releases
@@ -38,6 +43,10 @@ from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
 from specserve.verifier.acceptance import accept_batch
+from specserve.verifier.ngram import NgramProposer
+from specserve.verifier.policy import CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, profile_target
+
+METHODS = ("draft_model", "ngram", "none")
 
 
 log = logging.getLogger("specserve.engine")
@@ -54,10 +63,17 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_pipeline_hits: int = 0  # rounds whose draft was ready from pipelined drafting
+    rounds_by_k: list[int] = field(default_factory=list)  # rounds by the k the policy chose
+    drafts_by_method: dict[str, int] = field(default_factory=dict)  # drafted rounds by proposer
 
-    def record(self, k: int, num_accepted: int) -> None:
+    def record(self, k: int, num_accepted: int, chosen_k: int = 0, method: str | None = None) -> None:
         self.num_rounds += 1
         self.num_target_passes += 1
+        if len(self.rounds_by_k) <= chosen_k:
+            self.rounds_by_k += [0] * (chosen_k + 1 - len(self.rounds_by_k))
+        self.rounds_by_k[chosen_k] += 1
+        if k and method:
+            self.drafts_by_method[method] = self.drafts_by_method.get(method, 0) + 1
         if k:
             self.num_drafts += 1
             self.num_draft_tokens += k
@@ -141,7 +157,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     params: SamplingParams
-    k: int
+    k: int  # the most drafts per round (the policy chooses each round's, up to this)
     stop_ids: set[int]
     on_tokens: Callable[[list[int]], bool] | None = None
     on_finish: Callable[["Request"], None] | None = None  # called once, from the loop, when done
@@ -155,8 +171,14 @@ class Request:
     error: BaseException | None = None
     cancelled: bool = False
     deadline: float | None = None  # time.monotonic() past which the request fails with RequestTimeout
-    drafting: bool = False  # started on the proposer (on its current incarnation)
+    method: str = "none"  # the proposer asked for: see METHODS
+    via: str | None = None  # the proposer this sequence is started on now (its current incarnation)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # for the policy
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def drafting(self) -> bool:
+        return self.via is not None
 
     def result(self) -> GenerationResult:
         if self.error is not None:
@@ -169,9 +191,20 @@ class SpeculativeEngine:
 
     def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 64,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, ngram: bool = False, speculation: str = "fixed",
+                 max_k: int = 16):
+        """proposer: the drafter (in process or remote), or None; ngram: whether the n-gram
+        proposer is available (the default without a drafter, the fallback while it is down);
+        speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
+        for up to max_k drafts now)."""
         self.target = target
         self.proposer = proposer
+        self.proposers: dict[str, Proposer] = {}
+        if proposer is not None:
+            self.proposers["draft_model"] = proposer
+        if ngram:
+            self.proposers["ngram"] = NgramProposer(target.vocab_size, target.device)
+        self.default_method = next(iter(self.proposers), "none")
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
         self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)
         self.max_length = min(target.max_length, proposer.max_length if proposer else 1 << 30,
@@ -180,8 +213,11 @@ class SpeculativeEngine:
         self.request_timeout_s = request_timeout_s
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
         self.proposer_failures = 0
-        self._to_release: list[str] = []  # sequences to release on the proposer after this round
+        self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self.policy = SpeculationPolicy(speculation)
+        if speculation == "adaptive" and self.proposers:
+            self.policy.costs = PassCosts(profile_target(target, self.max_num_seqs, max_k + 1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Lock()  # guards waiting, running's membership and cancel flags
@@ -194,15 +230,23 @@ class SpeculativeEngine:
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None,
                request_id: str | None = None, on_finish: Callable[[Request], None] | None = None,
-               ignore_eos: bool = False, timeout_s: float | None = None) -> Request:
+               ignore_eos: bool = False, timeout_s: float | None = None, method: str | None = None) -> Request:
         """Queues a request (ValueError if it cannot run, Overloaded if the queue is full).
+        k: the most drafts per round; method: its proposer (METHODS; default: the engine's).
         ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension).
         timeout_s: fail the request (RequestTimeout) after this long (default: the engine's)."""
-        k = k if self.proposer is not None else 0
+        method = self.default_method if method is None else method
+        if method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
+        if method != "none" and method not in self.proposers:
+            raise ValueError(f"speculative method {method!r} is not available here (available: "
+                             f"{sorted(self.proposers) + ['none']})")
+        k = k if method != "none" else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
-                      (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish)
+                      (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish,
+                      method=method if k else "none")
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         if timeout_s is not None:
             req.deadline = time.monotonic() + timeout_s
@@ -215,10 +259,11 @@ class SpeculativeEngine:
         return req
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+                 k: int = 4, on_tokens: Callable[[list[int]], bool] | None = None,
+                 method: str | None = None) -> GenerationResult:
         """One request, start to end. on_tokens, if given, receives each round's written tokens;
         returning False cancels the request (finish_reason "cancelled")."""
-        req = self.submit(prompt_ids, max_new_tokens, sampling, k, on_tokens)
+        req = self.submit(prompt_ids, max_new_tokens, sampling, k, on_tokens, method=method)
         if self.loop is None:
             with self.step_lock:
                 while not req.done.is_set():
@@ -313,29 +358,46 @@ class SpeculativeEngine:
         req.error = RequestTimeout(f"the request ran past its timeout ({len(req.out)} tokens written)")
         return True
 
-    # ---------------------------------------------------------------- the proposer, and its failures
+    # ---------------------------------------------------------------- the proposers, and their failures
     def _start_drafting(self, req: Request) -> None:
-        """Registers a sequence (all its committed tokens) with the proposer."""
+        """Registers a sequence (all its committed tokens) with its proposer: the one it asked
+        for, or the n-gram proposer while the drafter is down."""
+        name = req.method
+        if name == "draft_model" and self.degraded is not None:
+            name = "ngram"
+        if name not in self.proposers:
+            return
         try:
-            self.proposer.start(req.id, req.prompt_ids + req.out, req.params)
+            self.proposers[name].start(req.id, req.prompt_ids + req.out, req.params)
         except (CapacityError, ValueError) as e:  # this sequence cannot be drafted for: it runs target-only
             log.warning("request %s runs without speculation: %s", req.id, e)
             return
         except Exception as e:
             self._proposer_failed(e)
+            if name == "draft_model":
+                self._start_drafting(req)  # on the fallback, now that the engine is degraded
             return
         req.unsent = []
-        req.drafting = True
+        req.via = name
+
+    def _stop_drafting(self, req: Request) -> None:
+        if req.via is not None:  # released after the round, outside the locks (a network call)
+            self._to_release.append((req.via, req.id))
+            req.via = None
 
     def _proposer_failed(self, error: Exception) -> None:
-        """Every sequence continues target-only until the proposer has recovered."""
+        """Every drafter sequence continues on the n-gram proposer (or target-only) until the
+        drafter has recovered."""
         self.proposer_failures += 1
-        self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving target-only"
+        fallback = "the n-gram proposer" if "ngram" in self.proposers else "target-only"
+        self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving with {fallback}"
         log.warning("%s", self.degraded)
-        for req in self.running:
-            req.drafting = False
-        self._to_release.clear()  # the proposer's state is gone, or reclaimed after its TTL
+        self._to_release = [(p, s) for p, s in self._to_release if p != "draft_model"]  # gone, or reclaimed after its TTL
         self.proposer.mark_failed(error)
+        for req in self.running:
+            if req.via == "draft_model":
+                req.via = None
+                self._start_drafting(req)
 
     def _resume_if_recovered(self) -> None:
         if self.degraded is None or not self.proposer.recovered():
@@ -343,15 +405,17 @@ class SpeculativeEngine:
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
         for req in self.running:
-            if req.k and not req.drafting:
+            if req.method == "draft_model" and req.via != "draft_model":
+                self._stop_drafting(req)
                 self._start_drafting(req)
 
     def _release_finished(self) -> None:
-        """One batched release of finished sequences, outside every lock."""
-        ids, self._to_release = self._to_release, []
-        if ids and self.degraded is None:
+        """One batched release of finished sequences per proposer, outside every lock."""
+        todo, self._to_release = self._to_release, []
+        for name in {p for p, _ in todo}:
+            ids = [s for p, s in todo if p == name]
             try:
-                self.proposer.release_many(ids)
+                self.proposers[name].release_many(ids)
             except Exception as e:  # their state is reclaimed on the drafter after its TTL
                 log.warning("release of %d sequences failed: %s", len(ids), e)
 
@@ -366,25 +430,16 @@ class SpeculativeEngine:
             req.error = e
             self._finish(req, "error")
             return
-        if req.k and self.degraded is None:
+        if req.k:
             self._start_drafting(req)
 
     def _round(self, running: list[Request]) -> None:
         # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
-        ks = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
-        drafts = [Draft([], None)] * len(running)
-        drafting = [i for i, k in enumerate(ks) if k > 0]
-        if drafting:
-            try:
-                proposed = self.proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i])
-                                                  for i in drafting])
-            except Exception as e:
-                self._proposer_failed(e)
-                ks = [0] * len(running)
-            else:
-                for i, draft in zip(drafting, proposed):
-                    drafts[i] = draft
-                    running[i].unsent = []
+        limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
+        chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running])
+        drafts = self._propose(running, chosen)
+        ks = [len(d.tokens) for d in drafts]
+        t0 = time.perf_counter()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
         # the acceptance rule for the whole round, on the target's device: one transfer back
         positions = [len(r.prompt_ids) + len(r.out) for r in running]
@@ -393,14 +448,16 @@ class SpeculativeEngine:
             [warp(lg, r.params) for r, lg in zip(running, logits)],
             [None if r.params.greedy else request_generator(r.params.seed, "verify", pos, lg.device)
              for r, pos, lg in zip(running, positions, logits)])
-        for req, draft, outcome, k in zip(running, drafts, outcomes, ks):
+        self.policy.observe_pass(len(running), max(ks) + 1, time.perf_counter() - t0)
+        for req, draft, outcome, k, c in zip(running, drafts, outcomes, ks, chosen):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
                 self._finish(req, "error")
                 continue
             num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
-            req.stats.record(k, num_accepted)
+            req.stats.record(k, num_accepted, c, req.via)
+            self.policy.observe_acceptance(req.acceptance, k, num_accepted)
             req.stats.num_pipeline_hits += draft.pipeline_hit
             emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
             req.out += emitted
@@ -416,15 +473,38 @@ class SpeculativeEngine:
             elif not wanted:
                 self._finish(req, "cancelled")
 
+    def _propose(self, running: list[Request], ks: list[int]) -> list[Draft]:
+        """One batched call per proposer in use. A drafter sequence that drafts nothing this round
+        still sends its committed tokens once CATCH_UP_TOKENS have piled up (k = 0: the drafter
+        stays caught up, so speculating again costs no long catch-up)."""
+        drafts = [Draft([], None)] * len(running)
+        for name, proposer in list(self.proposers.items()):
+            rows = [i for i, r in enumerate(running) if r.via == name
+                    and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
+            if not rows:
+                continue
+            t0 = time.perf_counter()
+            try:
+                proposed = proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i],
+                                                         self.policy.min_confidence) for i in rows])
+            except Exception as e:
+                if name != "draft_model":
+                    raise
+                self._proposer_failed(e)
+                continue
+            self.policy.observe_draft(name, len(rows), max(ks[i] for i in rows), time.perf_counter() - t0)
+            for i, draft in zip(rows, proposed):
+                drafts[i] = draft
+                running[i].unsent = []
+        return drafts
+
     def _finish(self, req: Request, reason: str) -> None:
         """Frees the request's slots on both sides and wakes its waiter."""
         if req in self.running:
             self.running.remove(req)
             self.target.release(req.slot)
             self.free_slots.append(req.slot)
-            if req.drafting:  # released after the round, outside the locks (a network call)
-                self._to_release.append(req.id)
-                req.drafting = False
+            self._stop_drafting(req)
         req.finish_reason = reason
         req.done.set()
         if req.on_finish is not None:

@@ -1,0 +1,145 @@
+"""Adaptive speculation and the n-gram proposer: the policy's choices, and exactness with k changing
+between rounds (greedy equals plain decoding; sampled tokens follow the target's distribution)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specserve.core.proposer import ProposeItem, confidence_cut
+from specserve.core.runner import ModelRunner
+from specserve.core.sampling import SamplingParams, warp
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.training.tiny import tiny_model
+from specserve.verifier.engine import SpeculativeEngine
+from specserve.verifier.ngram import NgramProposer
+from specserve.verifier.policy import CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, expected_tokens
+
+V = 96
+REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
+
+
+def plain(target, prompt, n):
+    return SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate(prompt, n, SamplingParams(), 0).token_ids
+
+
+def test_ngram_proposes_the_latest_continuation_and_indexes_new_tokens():
+    ng = NgramProposer(V, min_n=2, max_n=3)
+    ng.start("s", [1, 2, 3, 4, 9, 9, 1, 2, 3, 7, 1, 2], SamplingParams())
+    # "1 2" last occurred before "3 7": the latest continuation wins
+    assert ng.propose([ProposeItem("s", [], 3)])[0].tokens == [3, 7, 1]
+    # committed "3 4": the 3-gram "2 3 4" is indexed -> "9 9 1"
+    assert ng.propose([ProposeItem("s", [3, 4], 3)])[0].tokens == [9, 9, 1]
+    assert ng.propose([ProposeItem("s", [50, 51], 3)])[0].tokens == []  # nothing matches
+    assert ng.propose([ProposeItem("s", [], 0)])[0].tokens == []
+    sampled = NgramProposer(V)
+    sampled.start("t", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=1))
+    d = sampled.propose([ProposeItem("t", [], 2)])[0]
+    assert d.tokens == [3, 1] and d.probs.shape == (2, V) and d.probs[0, 3] == 1 and d.probs.sum() == 2
+
+
+def test_confidence_cut_depends_on_each_position_only():
+    assert confidence_cut([0.9, 0.5, 0.1, 0.9], 0.3) == 2
+    assert confidence_cut([0.9, 0.5], 0.0) == 2 and confidence_cut([0.1], 0.3) == 0
+
+
+def test_policy_turns_speculation_off_under_load_with_hysteresis():
+    # a pass costs 1 ms per sequence-position: at batch 16 drafting 4 costs 5x a plain pass
+    costs = PassCosts({(b, w): 1e-3 * b * w for b in (1, 16) for w in (1, 5)})
+    policy = SpeculationPolicy("adaptive", costs)
+    fair = [Acceptance() for _ in range(16)]
+    for a in fair:
+        for _ in range(20):
+            a.add(4, 2)  # 2 of 4 accepted each round: alpha = 2/3
+    policy.observe_draft("ngram", 16, 4, 0.0)
+    assert policy.choose([4] * 16, fair, ["ngram"] * 16) == [0] * 16  # E(2/3, k) < k + 1 times the cost
+    assert not policy.on
+    # at batch 1 with free drafting, the wide pass is the same price per token: speculation pays
+    flat = SpeculationPolicy("adaptive", PassCosts({(1, 1): 1e-3, (1, 5): 1.2e-3}))
+    assert flat.choose([4], fair[:1], ["ngram"]) == [4] and flat.on
+    # hysteresis: a 3% predicted gain does not switch a policy that is off back on
+    tie = SpeculationPolicy("adaptive", PassCosts({(1, 1): 1.0, (1, 2): 1.0}))
+    tie.on = False
+    lukewarm = Acceptance(accepted=30.0, trials=1000.0)
+    assert 1.0 < expected_tokens(lukewarm.rate(0.5), 1) < 1.04
+    assert tie.choose([1], [lukewarm], ["ngram"]) == [0]
+    tie.on = True  # ... nor one that is on off: no flapping around the break-even point
+    assert tie.choose([1], [lukewarm], ["ngram"]) == [1]
+    assert SpeculationPolicy("fixed").choose([3, 0, 2], [Acceptance()] * 3, ["a", None, "a"]) == [3, 0, 2]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_adaptive_greedy_equals_plain_for_both_proposers(case):
+    target = tiny_model("llama", V, seed=100 + case)
+    drafter = target if case % 3 == 0 else tiny_model("llama", V, seed=200 + case, hidden=32, layers=1)
+    engine = SpeculativeEngine(ModelRunner(target, slots=4), DraftModelProposer(ModelRunner(drafter, slots=4)),
+                               eos_ids=set(), ngram=True, speculation="adaptive", max_k=6)
+    engine.policy.min_confidence = 0.03 * (case % 2)  # confidence cuts on odd cases (random models are unsure)
+    prompts = [REPEATING, [3, 4, 5], REPEATING[::2], [7] * 6]
+    want = [plain(target, p, 40) for p in prompts]
+    reqs = [engine.submit(p, 40, SamplingParams(), k=6, method=m)
+            for p, m in zip(prompts, ["draft_model", "ngram", "ngram", "draft_model"])]
+    while not all(r.done.is_set() for r in reqs):
+        engine.step()
+    assert [r.result().token_ids for r in reqs] == want
+    used = {m for r in reqs for m in r.stats.drafts_by_method}
+    assert used == ({"ngram"} | ({"draft_model"} if case % 2 == 0 else set())) or used == {"draft_model", "ngram"}
+    assert sum(len([n for n in r.stats.rounds_by_k if n]) for r in reqs) > len(reqs)  # k varied
+
+
+def test_drafter_stays_caught_up_while_speculation_is_off():
+    target, drafter = tiny_model("llama", V, seed=7), tiny_model("llama", V, seed=8, hidden=32, layers=1)
+    proposer = DraftModelProposer(ModelRunner(drafter, slots=2))
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), proposer, eos_ids=set(), speculation="adaptive", max_k=4)
+    engine.policy.costs = PassCosts({(1, w): 1e-3 * w for w in (1, 5)})
+    engine.policy.observe_draft("draft_model", 1, 1, 10.0)  # drafting looks hopeless: k = 0
+    req = engine.submit([3, 4, 5], 60, SamplingParams(temperature=0.8, seed=3), k=4)
+    engine.step()
+    for _ in range(40):
+        engine.step()
+        behind = len(req.prompt_ids) + len(req.out) - proposer.committed_length(req.id)
+        assert 0 <= behind <= CATCH_UP_TOKENS
+    assert req.stats.num_draft_tokens == 0 and req.stats.rounds_by_k[0] == req.stats.num_rounds
+    engine.policy.costs = PassCosts({(1, 1): 1e-3, (1, 5): 1e-3})  # wide passes and drafting cheap again:
+    engine.policy.draft_costs.clear()  # speculation resumes
+    engine.policy.observe_draft("draft_model", 1, 1, 0.0)
+    while not req.done.is_set():
+        engine.step()
+    assert req.stats.num_draft_tokens > 0
+
+
+def joint_first_two(target, prompt, params):
+    """p(t1, t2) of the target under the warped distribution, exactly."""
+    with torch.no_grad():
+        p1 = warp(target(torch.tensor([prompt])).logits[0, -1], params).double()
+        rows = [warp(target(torch.tensor([prompt + [t]])).logits[0, -1], params).double() for t in range(len(p1))]
+    return (p1[:, None] * torch.stack(rows)).numpy()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method):
+    """The joint distribution of the first two sampled tokens equals the target's, with the
+    adaptive policy choosing k per round (confidence cuts and the max_tokens cap change it)."""
+    v = 6
+    target = tiny_model("llama", v, seed=21, initializer_range=0.5)
+    drafter = tiny_model("llama", v, seed=22, initializer_range=0.5)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)), eos_ids=set(),
+                               ngram=True, speculation="adaptive", max_k=3)
+    engine.policy.min_confidence = 0.4
+    params = dict(temperature=1.2)
+    prompt = [1, 2, 3, 1, 2]  # the n-gram proposer drafts "3 1 2" here
+    want = joint_first_two(target, prompt, SamplingParams(**params)).flatten()
+    want /= want.sum()  # float32 rounding
+    n = 2000
+    counts = np.zeros(v * v)
+    chosen = set()
+    for seed in range(n):
+        r = engine.generate(prompt, 4, SamplingParams(seed=seed, **params), k=3, method=method)
+        counts[r.token_ids[0] * v + r.token_ids[1]] += 1
+        chosen |= {k for k, c in enumerate(r.stats.rounds_by_k) if c}
+    assert len(chosen) >= 2
+    expected = n * want
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert stats.chisquare(obs, exp).pvalue > 1e-3

@@ -1,0 +1,184 @@
+"""The speculation policy: how many tokens each sequence drafts in each round. The one place
+that decides it; the engine asks `choose` before every round and reports back with `observe_*`.
+
+"fixed": every sequence drafts its request's k (today's behaviour, and the reproducible one).
+
+"adaptive" (the default) maximises the batch's expected tokens per second. For a batch of b
+sequences drafting k tokens each,
+
+    rate(k) = sum_i E(alpha_i, k) / (T(b, k + 1) + D(b, k)),   E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)
+
+- alpha_i: sequence i's acceptance rate, estimated online: accepted drafts over trials (accepted
+  drafts plus the round's rejection, if any), with older rounds decaying, and the engine-wide
+  rate as a prior for a new sequence;
+- T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
+  w (interpolated in between) and refined online by each round's measured pass;
+- D(b, k) = k * d(b): the proposer's time for a round, with d(b) its time per drafted token at
+  batch b measured online per proposer (a remote drafter's includes the RPC; a pipelined hit
+  makes it small; the n-gram proposer's is near zero).
+
+One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
+min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
+hysteresis: speculation switches off only when plain decoding is `HYSTERESIS` faster by the
+model, and back on likewise, so it does not flap. While a sequence drafts nothing the engine keeps
+its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
+speculation resumes.
+
+The drafter's confidence can stop a draft early: the drafter cuts a draft before the first
+position whose distribution's largest probability is below `min_confidence`
+(`specserve.core.proposer.confidence_cut`; the cut depends on q at that position only, never on
+the token drawn there, so sampling stays exact). MIN_CONFIDENCE is its default, chosen by
+measurement on the demo pair (docs/benchmarks/adaptive.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from dataclasses import dataclass
+
+POLICIES = ("adaptive", "fixed")
+MIN_CONFIDENCE = 0.0  # adaptive: stop a draft before a position whose top q is below this (0: off)
+HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
+DECAY = 0.9  # per round, of a sequence's acceptance counts
+PRIOR_TRIALS = 4.0  # weight of the engine-wide acceptance rate in a sequence's estimate
+EMA = 0.2  # weight of a new measured pass time
+CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens written per round with k drafts accepted i.i.d. with rate alpha (plus the target's)."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass
+class Acceptance:
+    """A sequence's (or the engine's) discounted acceptance counts."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def add(self, k: int, accepted: int, decay: float = DECAY) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.trials = decay * self.trials + accepted + (accepted < k)
+
+    def rate(self, prior: float, weight: float = PRIOR_TRIALS) -> float:
+        return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+class PassCosts:
+    """T(b, w): seconds of one target pass, from a startup profile on a (b, w) grid, bilinear in
+    between (linear extrapolation past the largest b), replaced per (b, w) by an online average."""
+
+    def __init__(self, grid: dict[tuple[int, int], float] | None = None):
+        self.grid = dict(grid or {})
+        self.measured: dict[tuple[int, int], float] = {}
+
+    def __call__(self, b: int, w: int) -> float:
+        if (b, w) in self.measured:
+            return self.measured[(b, w)]
+        return self._interpolate(b, w) if self.grid else 0.0
+
+    def observe(self, b: int, w: int, seconds: float) -> None:
+        old = self.measured.get((b, w))
+        self.measured[(b, w)] = seconds if old is None and not self.grid else \
+            (1 - EMA) * (old if old is not None else self(b, w)) + EMA * seconds
+
+    def _interpolate(self, b: int, w: int) -> float:
+        bs = sorted({g[0] for g in self.grid})
+        ws = sorted({g[1] for g in self.grid})
+
+        def along(axis: list[int], x: int, f) -> float:
+            if len(axis) == 1:
+                return f(axis[0])
+            i = min(max(bisect.bisect_left(axis, x), 1), len(axis) - 1)
+            x0, x1 = axis[i - 1], axis[i]
+            y0, y1 = f(x0), f(x1)
+            return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+        return along(bs, b, lambda bb: along(ws, w, lambda ww: self.grid[(bb, ww)]))
+
+
+def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dict[tuple[int, int], float]:
+    """Times target passes on a grid: b in powers of two up to max_batch, w in {1, 2, mid, max}.
+    Runs at startup, on free slots 0..max_batch-1 (released after)."""
+    bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    ws = sorted({1, min(2, max_width), (max_width + 1) // 2, max_width})
+    prompt = [i % runner.vocab_size for i in range(1, 9)]
+    grid = {}
+    for b in bs:
+        for slot in range(b):
+            runner.prefill(prompt, slot=slot)
+        for w in ws:
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
+                float(out[-1][-1, 0])  # waits for the device
+                times.append(time.perf_counter() - t0)
+                for slot in range(b):
+                    runner.rollback(w, slot=slot)
+            grid[(b, w)] = statistics.median(times[1:])
+        for slot in range(b):
+            runner.release(slot)
+    return grid
+
+
+class SpeculationPolicy:
+    def __init__(self, mode: str = "fixed", costs: PassCosts | None = None, min_confidence: float | None = None):
+        if mode not in POLICIES:
+            raise ValueError(f"speculation must be one of {POLICIES}, got {mode!r}")
+        self.mode = mode
+        self.costs = costs or PassCosts()
+        self.min_confidence = (MIN_CONFIDENCE if mode == "adaptive" else 0.0) if min_confidence is None \
+            else min_confidence
+        self.draft_costs: dict[tuple[str, int], float] = {}  # (proposer, b) -> seconds per drafted token
+        self.engine_acceptance = Acceptance()
+        self.on = True  # adaptive: speculating (k > 0) in the last round
+
+    # ------------------------------------------------------------------ choosing
+    def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[int]:
+        """k for each sequence of a round. limits: each sequence's most (its request's k, capped
+        by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer."""
+        if self.mode == "fixed" or not any(limits):
+            return list(limits)
+        b = len(limits)
+        prior = self.engine_acceptance.rate(0.5, weight=1.0)
+        alphas = [a.rate(prior) for a in acceptance]
+        used = {p for p, lim in zip(proposers, limits) if lim}
+        rates = [sum(expected_tokens(al, min(k, lim)) for al, lim in zip(alphas, limits))
+                 / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used), 1e-9)
+                 for k in range(max(limits) + 1)]
+        best = max(range(1, len(rates)), key=rates.__getitem__)
+        if self.on:
+            self.on = rates[0] <= (1 + HYSTERESIS) * rates[best]
+        else:
+            self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
+        k = best if self.on else 0
+        return [min(k, lim) for lim in limits]
+
+    def draft_cost(self, proposer: str | None, b: int, k: int) -> float:
+        if not k or proposer is None:
+            return 0.0
+        near = [(abs(bb - b), t) for (p, bb), t in self.draft_costs.items() if p == proposer]
+        if near:
+            return k * min(near)[1]
+        # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
+        return 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
+
+    # ------------------------------------------------------------------ observing
+    def observe_pass(self, b: int, width: int, seconds: float) -> None:
+        self.costs.observe(b, width, seconds)
+
+    def observe_draft(self, proposer: str, b: int, k: int, seconds: float) -> None:
+        if not k:
+            return
+        key, per_token = (proposer, b), seconds / k
+        old = self.draft_costs.get(key)
+        self.draft_costs[key] = per_token if old is None else (1 - EMA) * old + EMA * per_token
+
+    def observe_acceptance(self, seq: Acceptance, k: int, accepted: int) -> None:
+        if k:
+            seq.add(k, accepted)
+            self.engine_acceptance.add(k, accepted, decay=0.99)
