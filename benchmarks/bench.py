@@ -32,7 +32,9 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)",
                       "wire": "size and encode/decode time of q on the wire",
                       "forward": "pass time of the lean forward, with and without the CPU GEMM plan",
-                      "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched"}
+                      "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched",
+                      "serve": "load generator on the HTTP endpoint: Poisson rates, concurrency sweeps, pairs, SLOs",
+                      "peers": "ours, vLLM and HF assisted generation on the same prompts, batch 1 and 8"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
