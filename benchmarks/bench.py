@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "forward": "pass time of the lean forward, with and without the CPU GEMM plan",
                       "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched",
                       "serve": "load generator on the HTTP endpoint: Poisson rates, concurrency sweeps, pairs, SLOs",
+                      "ngram": "the n-gram proposer and the adaptive policy at batch 1, on edit and completion prompts",
                       "peers": "ours, vLLM and HF assisted generation on the same prompts, batch 1 and 8"}
 
 
@@ -116,7 +118,7 @@ def bench_distributed(args) -> dict:
 
     def distributed(pipeline):
         def factory():
-            pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1)
+            pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed")
             return pair.generate, pair.shutdown
         return factory
 
@@ -158,14 +160,15 @@ def bench_batching(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = heldout_prompts(model_dir, max(levels), args.prompt_tokens, load_tokenizer(target_path))
     rows: dict[str, dict] = {}
-    for mode, pipeline, k in (("plain", False, 0), ("speculative, sequential", False, args.k),
-                              ("speculative, pipelined", True, args.k)):
+    for mode, pipeline, k, policy in (("plain", False, 0, "fixed"), ("speculative, sequential", False, args.k, "fixed"),
+                                      ("speculative, pipelined", True, args.k, "fixed"),
+                                      ("adaptive, pipelined", True, args.k, "adaptive")):
         pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
-                               max_num_seqs=max(levels), max_waiting=max(levels))
+                               max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy)
         try:
             ray.get(pair.submit(prompts[0], 8, SamplingParams(), k))  # warm-up
             for c in levels:
-                runs, itl = [], []
+                runs, itl, by_k = [], [], Counter()
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
                     outs = ray.get([pair.submit(prompts[i], args.max_tokens, SamplingParams(), k, ignore_eos=True)
@@ -173,6 +176,7 @@ def bench_batching(args) -> dict:
                     elapsed = time.perf_counter() - t0
                     runs.append(sum(len(o["token_ids"]) for o in outs) / elapsed)
                     for o in outs:
+                        by_k.update(dict(enumerate(o["stats"]["rounds_by_k"])))
                         last = None
                         for t, n in o["chunks"]:
                             if last is not None:
@@ -180,7 +184,10 @@ def bench_batching(args) -> dict:
                             last = t
                 rows.setdefault(mode, {})[c] = dict(tokens_per_s=statistics.median(runs), runs_tokens_per_s=runs,
                                                     itl_p50_ms=percentile(itl, 0.5) * 1e3,
-                                                    itl_p99_ms=percentile(itl, 0.99) * 1e3)
+                                                    itl_p99_ms=percentile(itl, 0.99) * 1e3,
+                                                    rounds_by_k=[by_k[i] for i in range(args.k + 1)],
+                                                    mean_chosen_k=sum(i * n for i, n in by_k.items())
+                                                    / max(sum(by_k.values()), 1))
                 print(f"  {mode} @ {c}: {rows[mode][c]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
         finally:
             pair.shutdown()
@@ -190,8 +197,34 @@ def bench_batching(args) -> dict:
         if best < rows["plain"][c]["tokens_per_s"]:
             crossover = c
             break
+    adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     return dict(models=str(model_dir), k=args.k, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                repeats=args.repeats, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover)
+                repeats=args.repeats, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
+                adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()))
+
+
+def plot_batching(report: dict, path: str) -> None:
+    """Throughput over plain by concurrency, and the k the adaptive policy chose."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    levels, rows = report["concurrency"], report["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined"):
+        a.plot(levels, [rows[mode][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels], "o-",
+               label=mode)
+    a.axhline(1.0, color="gray", lw=1, ls="--", label="plain")
+    a.set(xscale="log", xlabel="concurrency", ylabel="tok/s / plain tok/s", title="speculation over plain decoding")
+    a.set_xticks(levels, [str(c) for c in levels])
+    a.legend()
+    b.plot(levels, [rows["adaptive, pipelined"][c]["mean_chosen_k"] for c in levels], "o-", color="C2")
+    b.set(xscale="log", xlabel="concurrency", ylabel="mean k chosen per round", ylim=(0, report["k"] + 0.5),
+          title=f"adaptive policy (k <= {report['k']})")
+    b.set_xticks(levels, [str(c) for c in levels])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def markdown_batching(report: dict, command: str) -> str:
@@ -199,17 +232,26 @@ def markdown_batching(report: dict, command: str) -> str:
              f"Models: `{report['models']}`, k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
              f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
              "runs; one verifier and one drafter actor, 1 torch thread each.", "",
+             "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
+             f"k <= {report['k']}), pipelined. Plot: `batching.png`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
-             "| ITL p50 / p99 ms: plain | sequential | pipelined |", "|---|---|---|---|---|---|---|"]
+             "| adaptive tok/s (× plain) | adaptive mean k | ITL p50 / p99 ms: plain | sequential | pipelined | adaptive |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     rows = report["rows"]
     for c in report["concurrency"]:
-        p, s, q = rows["plain"][c], rows["speculative, sequential"][c], rows["speculative, pipelined"][c]
+        p, s, q, a = (rows[m][c] for m in ("plain", "speculative, sequential", "speculative, pipelined",
+                                          "adaptive, pipelined"))
         lines.append(f"| {c} | {p['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} ({s['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
                      f"| {q['tokens_per_s']:.1f} ({q['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
+                     f"| {a['tokens_per_s']:.1f} ({a['tokens_per_s'] / p['tokens_per_s']:.2f}×) | {a['mean_chosen_k']:.2f} "
                      f"| {p['itl_p50_ms']:.1f} / {p['itl_p99_ms']:.1f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} "
-                     f"| {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} |")
+                     f"| {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} |")
     stop = report["speculation_stops_paying_at"]
-    lines += ["", f"- speculation stops paying at concurrency: {stop if stop is not None else 'not within the range measured'}"]
+    lines += ["", f"- fixed-k speculation stops paying at concurrency: "
+              f"{stop if stop is not None else 'not within the range measured'}",
+              f"- adaptive / plain: worst {report['adaptive_worst']:.2f}× (goal ≥ 0.95 at every concurrency), "
+              f"{report['adaptive_over_plain'][report['concurrency'][0]]:.2f}× at concurrency "
+              f"{report['concurrency'][0]} (goal ≥ 1.4)"]
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +302,7 @@ def main(argv=None) -> int:
         report, render = bench_distributed(args), markdown
     else:
         report, render = bench_batching(args), markdown_batching
+        plot_batching(report, args.out + ".png")
     command = "specserve bench " + " ".join(argv if argv is not None else sys.argv[1:])
     md = render(report, command)
     print(md)

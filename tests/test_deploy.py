@@ -82,6 +82,7 @@ APP_ARGS = {
     "cpus_per_actor": (int, float),
     "gpus_per_actor": (int, float),
     "compile": (bool, str),
+    "speculation": (str,),
     "device": (str,),
     "dtype": (str,),
     "q_dtype": (str,),
