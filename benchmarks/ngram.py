@@ -2,8 +2,8 @@
 in process, on two prompt sets, against plain decoding of the same prompts in the same run:
 
 - "edit": "edit this function" tasks built from held-out stdlib code: a function's source, an
-  instruction to rename one of its names, and the first line of the edited copy; the answer
-  repeats most of the prompt, which prompt lookup can draft;
+  instruction to rename one of its arguments, and the first three lines of the edited copy; the
+  answer repeats most of the prompt, which prompt lookup can draft;
 - "complete": held-out code completion (`heldout_prompts`), little repetition.
 
 Rows: plain; n-gram with fixed k; n-gram adaptive; draft model with fixed k; draft model adaptive.
@@ -20,6 +20,7 @@ import random
 import re
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ ROWS = {"plain": ("fixed", "none"), "n-gram, fixed k": ("fixed", "ngram"), "n-gr
         "draft model, fixed k": ("fixed", "draft_model"), "draft model, adaptive": ("adaptive", "draft_model")}
 
 
-def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 448, seed: int = 0) -> list[list[int]]:
+def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 200, seed: int = 0) -> list[list[int]]:
     """'Rename x to y in this function' tasks over functions of the held-out stdlib files."""
     from specserve.training.demo_pair import heldout_files
     rng = random.Random(seed)
@@ -41,17 +42,19 @@ def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 44
         except SyntaxError:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30:
+            if isinstance(node, ast.FunctionDef) and 5 <= node.end_lineno - node.lineno <= 14:
                 names = sorted({a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 2})
                 if names:
-                    funcs.append((ast.get_source_segment(source, node), names))
+                    lines = source.splitlines()[node.lineno - 1:node.end_lineno]
+                    funcs.append((textwrap.dedent("\n".join(lines)), names))
     rng.shuffle(funcs)
     prompts = []
     for src, names in funcs:
         old = rng.choice(names)
         new = f"{old}_value"
         edited = re.sub(rf"\b{re.escape(old)}\b", new, src)
-        text = f"# Rename `{old}` to `{new}` in this function.\n{src}\n\n# After the rename:\n{edited.splitlines()[0]}\n"
+        head = "\n".join(edited.splitlines()[:3])  # no trailing newline: BPE merges it with the indent
+        text = f"# Rename `{old}` to `{new}` in this function.\n{src}\n\n# After the rename:\n{head}"
         ids = tokenizer(text)["input_ids"]
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
