@@ -66,6 +66,11 @@ class Proposer:
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         raise NotImplementedError
 
+    def start_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Several `start`s at once (one batched prefill where the proposer can)."""
+        for seq_id, prompt_ids, params in items:
+            self.start(seq_id, prompt_ids, params)
+
     def release(self, seq_id: str) -> None:
         pass
 

@@ -174,14 +174,20 @@ class ModelRunner:
 
     def prefill(self, prompt_ids: list[int], slot: int = 0) -> torch.Tensor | None:
         """Start a sequence in `slot`: a fresh cache holding `prompt_ids`. Returns the last logits."""
-        self.started[slot] = True
-        if self.fast is not None:
-            self.fast.cache.reset(slot)
-        else:
-            self.caches[slot] = Cache(layer_class_to_replicate=PositionLayer)
-        if not prompt_ids:
-            return None
-        return self.score(prompt_ids, slot=slot, last_only=True)[-1]
+        return self.prefill_batch([(slot, prompt_ids)])[0]
+
+    def prefill_batch(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor | None]:
+        """Start several sequences, [(slot, prompt_ids), ...], in ONE batched pass. Returns each
+        one's last logits (None for an empty prompt)."""
+        for slot, _ in batch:
+            self.started[slot] = True
+            if self.fast is not None:
+                self.fast.cache.reset(slot)
+            else:
+                self.caches[slot] = Cache(layer_class_to_replicate=PositionLayer)
+        todo = [(slot, ids) for slot, ids in batch if ids]
+        out = iter(self.score_batch(todo, last_only=True) if todo else [])
+        return [next(out)[-1] if ids else None for _, ids in batch]
 
     def score(self, tokens: list[int], slot: int = 0, last_only: bool = False) -> torch.Tensor:
         """Append `tokens` to a slot's cache in ONE forward pass; logits [len(tokens), V] (float32)."""

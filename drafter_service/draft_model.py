@@ -41,17 +41,25 @@ class DraftModelProposer(Proposer):
         self.free = list(range(runner.slots - 1, -1, -1))
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if params.seed is None:
-            raise ValueError("the proposer needs a fixed seed (SamplingParams.with_seed())")
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already started")
-        if not self.free:
+        self.start_many([(seq_id, prompt_ids, params)])
+
+    def start_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Checks every item first (all or none start), then one batched prefill."""
+        ids = [seq_id for seq_id, _, _ in items]
+        for seq_id, _, params in items:
+            if params.seed is None:
+                raise ValueError("the proposer needs a fixed seed (SamplingParams.with_seed())")
+            if seq_id in self.seqs or ids.count(seq_id) > 1:
+                raise ValueError(f"sequence {seq_id!r} already started")
+        if len(items) > len(self.free):
             raise CapacityError(f"all {self.runner.slots} drafter slots are in use")
-        slot = min(self.free)  # the lowest free slot (see fast_llama: slots 0..b-1 are a view)
-        self.free.remove(slot)
-        seq = _Seq(slot, params, list(prompt_ids), list(prompt_ids[:-1]))
-        self.runner.prefill(seq.cached, slot=seq.slot)
-        self.seqs[seq_id] = seq
+        seqs = []
+        for seq_id, prompt_ids, params in items:
+            slot = min(self.free)  # the lowest free slot (see fast_llama: slots 0..b-1 are a view)
+            self.free.remove(slot)
+            seqs.append(_Seq(slot, params, list(prompt_ids), list(prompt_ids[:-1])))
+        self.runner.prefill_batch([(seq.slot, seq.cached) for seq in seqs])
+        self.seqs.update(zip(ids, seqs))
 
     def release(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)

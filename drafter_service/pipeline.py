@@ -67,6 +67,9 @@ class PipelinedProposer(Proposer):
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.inner.start(seq_id, prompt_ids, params)
 
+    def start_many(self, items) -> None:
+        self.inner.start_many(items)
+
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         out: list[Draft | None] = [None] * len(items)
         todo = []

@@ -105,8 +105,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if self.live_sequences + len(items) > self.max_sequences:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"the drafter holds {self.live_sequences} sequences (max {self.max_sequences})")
+            self.proposer.start_many(items)  # one batched prefill
             for seq_id, prompt, params in items:
-                self.proposer.start(seq_id, prompt, params)
                 self.versions[seq_id] = 0
                 self.last_call[seq_id] = time.monotonic()
             return pb.StartReply(live_sequences=self.live_sequences)

@@ -41,6 +41,10 @@ class VerifierActor:
         return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
                 "start": start, "chunks": req.chunks}
 
+    def policy(self) -> dict:
+        """The speculation policy's current costs and estimates."""
+        return self.engine.policy.state()
+
     def cancel(self, request_id: str) -> bool:
         """Ends the request before its next round; its KV state is released on both sides."""
         return self.engine.cancel(request_id)

@@ -101,10 +101,15 @@ class RemoteProposer(Proposer):
             raise DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}") from None
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._call("Start", pb.StartRequest(items=[pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids,
-                                                                sampling=sampling_to_proto(params))]),
-                   len(prompt_ids))
-        self.rounds[seq_id] = 0
+        self.start_many([(seq_id, prompt_ids, params)])
+
+    def start_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """One Start call for all (the drafter starts all or none)."""
+        self._call("Start", pb.StartRequest(items=[
+            pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
+            for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items))
+        for seq_id, _, _ in items:
+            self.rounds[seq_id] = 0
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         for item in items:

@@ -1,7 +1,7 @@
 """The draft -> verify -> accept loop, with continuous batching. Reads top to bottom:
 
     each round (`step`):
-        admit at most one waiting request (prefill its target slot; the drafter prefills too)
+        admit waiting requests, up to PREFILL_BUDGET prompt tokens (ONE batched prefill on each side)
         choose k for every running sequence             (`policy.SpeculationPolicy`)
         draft up to k tokens for each                   (ONE batched call per proposer in use)
         score k+1 positions of every running sequence   (ONE batched target pass)
@@ -330,14 +330,18 @@ class SpeculativeEngine:
                 self._finish(req, "cancelled" if req.cancelled else "error")
             for req in [r for r in self.running if r.cancelled or self._expired(r, now)]:
                 self._finish(req, "cancelled" if req.cancelled else "error")
-            # one prefill per round, so a joining sequence stalls the running ones for at most one
-            # prefill; with nothing running there is nobody to stall, and every free slot fills
-            n = len(self.free_slots) if not self.running else 1
-            admit = [self.waiting.popleft() for _ in range(min(n, len(self.waiting), len(self.free_slots)))]
+            # joining sequences stall the running ones for one batched prefill of at most
+            # PREFILL_BUDGET prompt tokens (at least one request); with nothing running there is
+            # nobody to stall, and every free slot fills
+            admit, tokens = [], 0
+            while self.waiting and len(admit) < len(self.free_slots) and (
+                    not admit or not self.running or tokens + len(self.waiting[0].prompt_ids) <= self.PREFILL_BUDGET):
+                admit.append(self.waiting.popleft())
+                tokens += len(admit[-1].prompt_ids)
         self._release_finished()
         self._resume_if_recovered()
-        for req in admit:
-            self._admit(req)
+        if admit:
+            self._admit(admit)
         running = list(self.running)
         if not running:
             return
@@ -360,25 +364,34 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- the proposers, and their failures
     def _start_drafting(self, req: Request) -> None:
-        """Registers a sequence (all its committed tokens) with its proposer: the one it asked
-        for, or the n-gram proposer while the drafter is down."""
-        name = req.method
-        if name == "draft_model" and self.degraded is not None:
-            name = "ngram"
-        if name not in self.proposers:
-            return
-        try:
-            self.proposers[name].start(req.id, req.prompt_ids + req.out, req.params)
-        except (CapacityError, ValueError) as e:  # this sequence cannot be drafted for: it runs target-only
-            log.warning("request %s runs without speculation: %s", req.id, e)
-            return
-        except Exception as e:
-            self._proposer_failed(e)
-            if name == "draft_model":
-                self._start_drafting(req)  # on the fallback, now that the engine is degraded
-            return
-        req.unsent = []
-        req.via = name
+        self._start_drafting_many([req])
+
+    def _start_drafting_many(self, reqs: list[Request]) -> None:
+        """Registers sequences (all their committed tokens) with their proposers, one call per
+        proposer: the one each asked for, or the n-gram proposer while the drafter is down."""
+        groups: dict[str, list[Request]] = {}
+        for req in reqs:
+            name = "ngram" if req.method == "draft_model" and self.degraded is not None else req.method
+            if name in self.proposers:
+                groups.setdefault(name, []).append(req)
+        for name, group in groups.items():
+            try:
+                self.proposers[name].start_many([(r.id, r.prompt_ids + r.out, r.params) for r in group])
+            except (CapacityError, ValueError) as e:  # some cannot be drafted for: they run target-only
+                if len(group) > 1:
+                    for req in group:
+                        self._start_drafting(req)
+                else:
+                    log.warning("request %s runs without speculation: %s", group[0].id, e)
+                continue
+            except Exception as e:
+                self._proposer_failed(e)
+                if name == "draft_model":
+                    self._start_drafting_many(group)  # on the fallback, now that the engine is degraded
+                continue
+            for req in group:
+                req.unsent = []
+                req.via = name
 
     def _stop_drafting(self, req: Request) -> None:
         if req.via is not None:  # released after the round, outside the locks (a network call)
@@ -419,25 +432,34 @@ class SpeculativeEngine:
             except Exception as e:  # their state is reclaimed on the drafter after its TTL
                 log.warning("release of %d sequences failed: %s", len(ids), e)
 
-    def _admit(self, req: Request) -> None:
-        req.slot = min(self.free_slots)  # the lowest: a batch of slots 0..b-1 reads the KV cache as a view
-        self.free_slots.remove(req.slot)
-        self.running.append(req)
+    PREFILL_BUDGET = 1024  # prompt tokens admitted per round while others run
+
+    def _admit(self, reqs: list[Request]) -> None:
+        """One batched target prefill for all; then each proposer starts its new sequences in one call."""
+        for req in reqs:
+            req.slot = min(self.free_slots)  # the lowest: a batch of slots 0..b-1 reads the KV cache as a view
+            self.free_slots.remove(req.slot)
+            self.running.append(req)
         try:
-            self.target.prefill(req.prompt_ids[:-1], slot=req.slot)
+            self.target.prefill_batch([(req.slot, req.prompt_ids[:-1]) for req in reqs])
+        except Exception:  # find the request(s) at fault: one by one
+            for req in reqs:
+                try:
+                    self.target.prefill(req.prompt_ids[:-1], slot=req.slot)
+                except Exception as e:
+                    req.error = e
+                    self._finish(req, "error")
+        reqs = [r for r in reqs if not r.done.is_set()]
+        for req in reqs:
             req.pending = req.prompt_ids[-1]
-        except Exception as e:
-            req.error = e
-            self._finish(req, "error")
-            return
-        if req.k:
-            self._start_drafting(req)
+        self._start_drafting_many([r for r in reqs if r.k])
 
     def _round(self, running: list[Request]) -> None:
         # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
         limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
         chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running])
-        drafts = self._propose(running, chosen)
+        t_round = time.perf_counter()
+        drafts, t_draft = self._propose(running, chosen)
         ks = [len(d.tokens) for d in drafts]
         t0 = time.perf_counter()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
@@ -448,7 +470,8 @@ class SpeculativeEngine:
             [warp(lg, r.params) for r, lg in zip(running, logits)],
             [None if r.params.greedy else request_generator(r.params.seed, "verify", pos, lg.device)
              for r, pos, lg in zip(running, positions, logits)])
-        self.policy.observe_pass(len(running), max(ks) + 1, time.perf_counter() - t0)
+        t_pass = time.perf_counter() - t0
+        self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
         for req, draft, outcome, k, c in zip(running, drafts, outcomes, ks, chosen):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
@@ -472,12 +495,15 @@ class SpeculativeEngine:
                 self._finish(req, "stop" if stopped else "length")
             elif not wanted:
                 self._finish(req, "cancelled")
+        self.policy.observe_overhead(len(running), max(chosen) > 0,
+                                     time.perf_counter() - t_round - t_pass - t_draft)
 
-    def _propose(self, running: list[Request], ks: list[int]) -> list[Draft]:
+    def _propose(self, running: list[Request], ks: list[int]) -> tuple[list[Draft], float]:
         """One batched call per proposer in use. A drafter sequence that drafts nothing this round
         still sends its committed tokens once CATCH_UP_TOKENS have piled up (k = 0: the drafter
         stays caught up, so speculating again costs no long catch-up)."""
         drafts = [Draft([], None)] * len(running)
+        t_draft = 0.0  # seconds in calls that drafted (catch-up-only calls count as overhead)
         for name, proposer in list(self.proposers.items()):
             rows = [i for i, r in enumerate(running) if r.via == name
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
@@ -492,11 +518,14 @@ class SpeculativeEngine:
                     raise
                 self._proposer_failed(e)
                 continue
-            self.policy.observe_draft(name, len(rows), max(ks[i] for i in rows), time.perf_counter() - t0)
+            k = max(ks[i] for i in rows)
+            if k:
+                t_draft += time.perf_counter() - t0
+                self.policy.observe_draft(name, len(rows), k, time.perf_counter() - t0)
             for i, draft in zip(rows, proposed):
                 drafts[i] = draft
                 running[i].unsent = []
-        return drafts
+        return drafts, t_draft
 
     def _finish(self, req: Request, reason: str) -> None:
         """Frees the request's slots on both sides and wakes its waiter."""

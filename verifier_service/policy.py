@@ -6,16 +6,22 @@ that decides it; the engine asks `choose` before every round and reports back wi
 "adaptive" (the default) maximises the batch's expected tokens per second. For a batch of b
 sequences drafting k tokens each,
 
-    rate(k) = sum_i E(alpha_i, k) / (T(b, k + 1) + D(b, k)),   E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)
+    rate(k) = sum_i E_i(k) / (T(b, k + 1) + D(b, k) + O(b, k > 0))
 
-- alpha_i: sequence i's acceptance rate, estimated online: accepted drafts over trials (accepted
-  drafts plus the round's rejection, if any), with older rounds decaying, and the engine-wide
-  rate as a prior for a new sequence;
+- E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_l * s_i: expected tokens of sequence i's round. a_l is
+  the engine-wide acceptance rate of draft position l (given the earlier ones were accepted;
+  later positions are accepted less often, so one rate for all would overrate long drafts), and
+  s_i scales it by sequence i's own rate against the engine's: accepted drafts over trials
+  (accepted drafts plus the round's rejection, if any), older rounds decaying, the engine's rate
+  its prior;
 - T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
   w (interpolated in between) and refined online by each round's measured pass;
-- D(b, k) = k * d(b): the proposer's time for a round, with d(b) its time per drafted token at
-  batch b measured online per proposer (a remote drafter's includes the RPC; a pipelined hit
-  makes it small; the n-gram proposer's is near zero).
+- D(b, k) = D0(b) + k * d(b): the proposer's time for a round, a fixed part (an RPC, the
+  catch-up pass) plus a part per drafted token, fitted online per proposer and batch size to the
+  measured calls (exponentially weighted least squares; a pipelined hit makes a call cheap, the
+  n-gram proposer's calls are near free);
+- O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
+  that draft nothing), measured online apart for rounds with and without drafts.
 
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
@@ -65,6 +71,64 @@ class Acceptance:
 
     def rate(self, prior: float, weight: float = PRIOR_TRIALS) -> float:
         return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+class PositionalAcceptance:
+    """Engine-wide acceptance rate per draft position, given the earlier positions were accepted."""
+
+    def __init__(self, decay: float = 0.99):
+        self.decay = decay
+        self.accepted: list[float] = []
+        self.trials: list[float] = []
+
+    def add(self, k: int, accepted: int) -> None:
+        while len(self.trials) < k:
+            self.accepted.append(0.0)
+            self.trials.append(0.0)
+        for j in range(k):
+            self.accepted[j] *= self.decay
+            self.trials[j] *= self.decay
+        for j in range(min(accepted + 1, k)):  # positions 1..accepted accepted, the next one tried
+            self.trials[j] += 1
+            self.accepted[j] += j < accepted
+
+    def rates(self, k: int, prior: float = 0.5) -> list[float]:
+        out, last = [], prior
+        for j in range(k):
+            if j < len(self.trials) and self.trials[j] > 0:
+                last = (self.accepted[j] + prior) / (self.trials[j] + 1)
+            out.append(last)  # a position not tried yet: the rate of the one before
+        return out
+
+
+def expected_round_tokens(position_rates: list[float], scale: float, k: int) -> float:
+    """1 + sum_{j<=k} prod_{l<=j} min(1, a_l * scale)."""
+    total, run = 1.0, 1.0
+    for a in position_rates[:k]:
+        run *= min(1.0, a * scale)
+        total += run
+    return total
+
+
+class DraftCosts:
+    """D(k) = D0 + k * d for one proposer at one batch size: least squares over the calls seen,
+    older calls weighing less (each new one multiplies the old sums by 1 - EMA)."""
+
+    def __init__(self):
+        self.n = self.sk = self.skk = self.st = self.skt = 0.0
+
+    def observe(self, k: int, seconds: float) -> None:
+        f = 1 - EMA
+        self.n, self.sk, self.skk = f * self.n + 1, f * self.sk + k, f * self.skk + k * k
+        self.st, self.skt = f * self.st + seconds, f * self.skt + k * seconds
+
+    def __call__(self, k: int) -> float:
+        var = self.n * self.skk - self.sk ** 2
+        if var <= 1e-6 * max(self.n * self.skk, 1e-12):  # one k seen so far: all of it per token
+            return k * self.st / max(self.sk, 1e-12)
+        d = max((self.n * self.skt - self.sk * self.st) / var, 0.0)
+        d0 = max((self.st - d * self.sk) / self.n, 0.0)
+        return d0 + k * d
 
 
 class PassCosts:
@@ -133,8 +197,10 @@ class SpeculationPolicy:
         self.costs = costs or PassCosts()
         self.min_confidence = (MIN_CONFIDENCE if mode == "adaptive" else 0.0) if min_confidence is None \
             else min_confidence
-        self.draft_costs: dict[tuple[str, int], float] = {}  # (proposer, b) -> seconds per drafted token
+        self.draft_costs: dict[tuple[str, int], DraftCosts] = {}  # (proposer, b) -> D(k)
+        self.overhead: dict[tuple[int, bool], float] = {}  # (b, speculating) -> seconds per round, O
         self.engine_acceptance = Acceptance()
+        self.positions = PositionalAcceptance()
         self.on = True  # adaptive: speculating (k > 0) in the last round
 
     # ------------------------------------------------------------------ choosing
@@ -145,10 +211,12 @@ class SpeculationPolicy:
             return list(limits)
         b = len(limits)
         prior = self.engine_acceptance.rate(0.5, weight=1.0)
-        alphas = [a.rate(prior) for a in acceptance]
+        scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
+        position_rates = self.positions.rates(max(limits))
         used = {p for p, lim in zip(proposers, limits) if lim}
-        rates = [sum(expected_tokens(al, min(k, lim)) for al, lim in zip(alphas, limits))
-                 / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used), 1e-9)
+        rates = [sum(expected_round_tokens(position_rates, sc, min(k, lim)) for sc, lim in zip(scales, limits))
+                 / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used)
+                       + self.overhead.get((b, k > 0), 0.0), 1e-9)
                  for k in range(max(limits) + 1)]
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if self.on:
@@ -161,24 +229,38 @@ class SpeculationPolicy:
     def draft_cost(self, proposer: str | None, b: int, k: int) -> float:
         if not k or proposer is None:
             return 0.0
-        near = [(abs(bb - b), t) for (p, bb), t in self.draft_costs.items() if p == proposer]
+        near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items() if p == proposer]
         if near:
-            return k * min(near)[1]
+            return min(near, key=lambda x: x[:2])[2](k)
         # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
         return 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
+
+    def state(self) -> dict:
+        """What the policy believes now (for operators and benchmarks): times in ms."""
+        ms = {f"{b}x{w}": round(self.costs(b, w) * 1e3, 3) for b, w in sorted(set(self.costs.grid) | set(self.costs.measured))}
+        return {"mode": self.mode, "speculating": self.on, "min_confidence": self.min_confidence,
+                "engine_acceptance": round(self.engine_acceptance.rate(0.5, weight=1.0), 4),
+                "position_acceptance": [round(a, 4) for a in self.positions.rates(len(self.positions.trials))],
+                "target_pass_ms": ms,
+                "draft_ms_for_k_1_and_4": {f"{p}@{b}": [round(d(1) * 1e3, 3), round(d(4) * 1e3, 3)]
+                                           for (p, b), d in sorted(self.draft_costs.items())},
+                "round_overhead_ms": {f"{b}{'+spec' if spec else ''}": round(t * 1e3, 3)
+                                      for (b, spec), t in sorted(self.overhead.items())}}
 
     # ------------------------------------------------------------------ observing
     def observe_pass(self, b: int, width: int, seconds: float) -> None:
         self.costs.observe(b, width, seconds)
 
     def observe_draft(self, proposer: str, b: int, k: int, seconds: float) -> None:
-        if not k:
-            return
-        key, per_token = (proposer, b), seconds / k
-        old = self.draft_costs.get(key)
-        self.draft_costs[key] = per_token if old is None else (1 - EMA) * old + EMA * per_token
+        if k:
+            self.draft_costs.setdefault((proposer, b), DraftCosts()).observe(k, seconds)
+
+    def observe_overhead(self, b: int, speculating: bool, seconds: float) -> None:
+        old = self.overhead.get((b, speculating))
+        self.overhead[(b, speculating)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def observe_acceptance(self, seq: Acceptance, k: int, accepted: int) -> None:
         if k:
             seq.add(k, accepted)
             self.engine_acceptance.add(k, accepted, decay=0.99)
+            self.positions.add(k, accepted)
