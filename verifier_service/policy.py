@@ -26,7 +26,9 @@ sequences drafting k tokens each,
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
 hysteresis: speculation switches off only when plain decoding is `HYSTERESIS` faster by the
-model, and back on likewise, so it does not flap. While a sequence drafts nothing the engine keeps
+model, and back on likewise, so it does not flap (one round in PROBE_EVERY drafts the most k,
+on or off, to keep the estimates of acceptance and drafting cost current for every k); k itself changes only for a predicted 5% gain
+(a draft prepared by pipelining for the old k is then still usable). While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
 speculation resumes.
 
@@ -50,6 +52,8 @@ HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of the engine-wide acceptance rate in a sequence's estimate
 EMA = 0.2  # weight of a new measured pass time
+PROBE_EVERY = 32  # one round in this many drafts each request's most k (re-measuring, even when off)
+PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
 
 
@@ -124,8 +128,8 @@ class DraftCosts:
 
     def __call__(self, k: int) -> float:
         var = self.n * self.skk - self.sk ** 2
-        if var <= 1e-6 * max(self.n * self.skk, 1e-12):  # one k seen so far: all of it per token
-            return k * self.st / max(self.sk, 1e-12)
+        if var <= 1e-6 * max(self.n * self.skk, 1e-12):  # one k seen so far: per pass (k + 1 with the catch-up)
+            return (k + 1) * self.st / max(self.sk + self.n, 1e-12)
         d = max((self.n * self.skt - self.sk * self.st) / var, 0.0)
         d0 = max((self.st - d * self.sk) / self.n, 0.0)
         return d0 + k * d
@@ -202,6 +206,8 @@ class SpeculationPolicy:
         self.engine_acceptance = Acceptance()
         self.positions = PositionalAcceptance()
         self.on = True  # adaptive: speculating (k > 0) in the last round
+        self.k = 0  # adaptive: the k > 0 chosen last
+        self.rounds = 0  # rounds chosen for
 
     # ------------------------------------------------------------------ choosing
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[int]:
@@ -210,19 +216,25 @@ class SpeculationPolicy:
         if self.mode == "fixed" or not any(limits):
             return list(limits)
         b = len(limits)
-        prior = self.engine_acceptance.rate(0.5, weight=1.0)
+        prior = self.engine_acceptance.rate(PRIOR_ACCEPTANCE, weight=1.0)
         scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
-        position_rates = self.positions.rates(max(limits))
+        position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
         used = {p for p, lim in zip(proposers, limits) if lim}
         rates = [sum(expected_round_tokens(position_rates, sc, min(k, lim)) for sc, lim in zip(scales, limits))
                  / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used)
                        + self.overhead.get((b, k > 0), 0.0), 1e-9)
                  for k in range(max(limits) + 1)]
         best = max(range(1, len(rates)), key=rates.__getitem__)
+        if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
+            best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
+        self.k = best
         if self.on:
             self.on = rates[0] <= (1 + HYSTERESIS) * rates[best]
         else:
             self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
+        self.rounds += 1
+        if self.rounds % PROBE_EVERY == 0:  # a probe round now and then drafts the most: it keeps the
+            return list(limits)            # estimates of acceptance and drafting cost current for every k
         k = best if self.on else 0
         return [min(k, lim) for lim in limits]
 
