@@ -61,6 +61,7 @@ def measure(generate, prompts, max_tokens: int, k: int) -> dict:
     """One pass over all prompts (greedy): throughput and speculation statistics."""
     from specserve.core.sampling import SamplingParams
     tokens = passes = drafts = accepted = drafted = hits = 0
+    by_outcome = [[0, 0] for _ in range(k + 1)]  # drafted rounds, hits by drafts accepted the round before
     t0 = time.perf_counter()
     for p in prompts:
         r = generate(p, max_tokens, SamplingParams(), k)
@@ -70,11 +71,17 @@ def measure(generate, prompts, max_tokens: int, k: int) -> dict:
         drafted += r.stats.num_draft_tokens
         accepted += r.stats.num_accepted_tokens
         hits += r.stats.num_pipeline_hits
+        for a, (n, h) in enumerate(zip(r.stats.outcome_rounds, r.stats.outcome_hits)):
+            by_outcome[a][0] += n
+            by_outcome[a][1] += h
     elapsed = time.perf_counter() - t0
     return dict(tokens_per_s=tokens / elapsed, passes_per_token=passes / tokens,
                 mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
                 acceptance_rate=accepted / drafted if drafted else 0.0,
-                pipeline_hit_rate=hits / drafts if drafts else 0.0)
+                pipeline_hit_rate=hits / drafts if drafts else 0.0,
+                **{f"hit_rate_after_{a}_accepted": h / n if n else 0.0 for a, (n, h) in enumerate(by_outcome)},
+                **{f"share_after_{a}_accepted": n / max(sum(x[0] for x in by_outcome), 1)
+                   for a, (n, h) in enumerate(by_outcome)})
 
 
 def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict:
@@ -271,6 +278,15 @@ def markdown(report: dict, command: str) -> str:
               f"row 4 reaches {report['pipelined_fraction_of_ideal']:.0%} of it",
               f"- row 4 / row 3 (pipelined over sequential) = {report['pipelined_over_sequential']:.2f}×",
               f"- distributed overhead (row 3 against row 2) = {report['distributed_overhead']:.1%}"]
+    pipelined = report["rows"]["4 distributed, pipelined"]
+    lines += ["", "Row 4's pipeline hit rate by the outcome of the round before (drafts accepted a; the drafter "
+              "prepares for a = k only):", "",
+              "| a | " + " | ".join(str(a) for a in range(report["k"] + 1)) + " |",
+              "|---|" + "---|" * (report["k"] + 1),
+              "| share of rounds | " + " | ".join(f"{pipelined[f'share_after_{a}_accepted']:.2f}"
+                                               for a in range(report["k"] + 1)) + " |",
+              "| hit rate | " + " | ".join(f"{pipelined[f'hit_rate_after_{a}_accepted']:.2f}"
+                                         for a in range(report["k"] + 1)) + " |"]
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,10 @@ class Metrics:
                                         ["method"], registry=r)
         self.pipeline_hits = Counter("specserve_pipeline_hits", "Rounds whose draft was prepared by pipelining",
                                      registry=r)
+        self.outcome_rounds = Counter("specserve_pipeline_rounds_by_outcome", "Drafted rounds by the drafts "
+                                      "accepted in the round before", ["accepted"], registry=r)
+        self.outcome_hits = Counter("specserve_pipeline_hits_by_outcome", "Pipeline hits by the drafts accepted in "
+                                    "the round before", ["accepted"], registry=r)
         self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
         self.waiting = Gauge("specserve_num_requests_waiting", "Sequences queued for a slot", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
@@ -56,6 +60,9 @@ class Metrics:
         for k, n in enumerate(stats.get("rounds_by_k", [])):
             for _ in range(n):
                 self.chosen_k.observe(k)
+        for a, (n, hits) in enumerate(zip(stats.get("outcome_rounds", []), stats.get("outcome_hits", []))):
+            self.outcome_rounds.labels(str(a)).inc(n)
+            self.outcome_hits.labels(str(a)).inc(hits)
         for method, n in stats.get("drafts_by_method", {}).items():
             self.drafts_by_method.labels(method).inc(n)
 

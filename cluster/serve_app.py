@@ -59,12 +59,15 @@ class PairReplica:
         self.k = cfg.k if self.engine.proposers else 0
 
     async def generate(self, request: dict):
-        """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"})."""
+        """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"}).
+        With request["coalesce"] (a non-streamed request without stop strings: nobody reads the
+        rounds) the tokens come in the final message: one message per request, not per round."""
         from specserve.core.sampling import SamplingParams
         from specserve.verifier.engine import Overloaded, RequestTimeout
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        coalesce = request.get("coalesce", False)
         k = self.k if request["speculative"] else 0
         if request.get("k") is not None and k:
             k = request["k"]
@@ -72,7 +75,8 @@ class PairReplica:
             self.engine.submit(
                 request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
-                on_tokens=lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
+                on_tokens=None if coalesce else
+                lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
         except ValueError as e:
             yield {"error": {"status": 400, "message": str(e)}}
@@ -94,7 +98,7 @@ class PairReplica:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
                 else:
                     yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k,
-                           "method": item.method}
+                           "method": item.method, **({"token_ids": item.out} if coalesce else {})}
                 return
         finally:
             if not finished:  # the client went away: free the slots on both sides
@@ -249,7 +253,7 @@ class OpenAIIngress:
                                   seed=req.seed).to_dict()
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
-                    "method": req.method}
+                    "method": req.method, "coalesce": not req.stream and not req.stop}
         stream = self.pair.options(stream=True).generate.remote(upstream)
         cid, timer = completion_id(), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop)
@@ -268,7 +272,7 @@ class OpenAIIngress:
                     text += detok.add(item["token_ids"])
                     if detok.stopped:
                         break
-                else:
+                if "finish_reason" in item:  # the last message (with the tokens too, coalesced)
                     final = item
         finally:
             stream.cancel()  # a stop string (or an error) ends the sequence early: free its slots

@@ -35,6 +35,10 @@ def test_pipelined_output_equals_on_demand_drafting(policy):
                                     eos_ids=set()).generate([1, 2, 3], 40, params, 4)
             assert got.token_ids == want.token_ids
             hits += got.stats.num_pipeline_hits
+            s = got.stats  # hits by the outcome of the round before: every drafted round after the first
+            assert sum(s.outcome_rounds) == s.num_drafts - 1 and sum(s.outcome_hits) == s.num_pipeline_hits
+            if policy == "all-accepted":  # prepared for "all 4 accepted" only
+                assert sum(s.outcome_hits[:4]) == 0
     assert hits > 0  # drafter == target: the prepared drafts are used
 
 

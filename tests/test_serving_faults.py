@@ -36,7 +36,7 @@ def test_drafter_killed_mid_stream(base, tiny_pair_dir):
     """8 streams run; the drafter's process is killed (SIGKILL). All 8 finish with 200 and the text
     of plain decoding, /health says degraded and then ok, and speculation resumes."""
     from ray import serve
-    deploy("faulty", tiny_pair_dir, k=3, max_num_seqs=8, max_waiting=8)
+    deploy("faulty", tiny_pair_dir, k=3, max_num_seqs=8, max_waiting=8, speculation="fixed")  # drafting resumes
     url = f"{base}/faulty"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     pair = serve.get_deployment_handle("PairReplica", "faulty")

@@ -64,7 +64,18 @@ class SpecStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_pipeline_hits: int = 0  # rounds whose draft was ready from pipelined drafting
     rounds_by_k: list[int] = field(default_factory=list)  # rounds by the k the policy chose
+    # drafted rounds, and pipeline hits among them, by the outcome of the round before: index a =
+    # drafts accepted then (the drafter prepares for the outcome "all accepted")
+    outcome_rounds: list[int] = field(default_factory=list)
+    outcome_hits: list[int] = field(default_factory=list)
     drafts_by_method: dict[str, int] = field(default_factory=dict)  # drafted rounds by proposer
+
+    def record_outcome(self, previous_accepted: int, hit: bool) -> None:
+        while len(self.outcome_rounds) <= previous_accepted:
+            self.outcome_rounds.append(0)
+            self.outcome_hits.append(0)
+        self.outcome_rounds[previous_accepted] += 1
+        self.outcome_hits[previous_accepted] += hit
 
     def record(self, k: int, num_accepted: int, chosen_k: int = 0, method: str | None = None) -> None:
         self.num_rounds += 1
@@ -174,6 +185,8 @@ class Request:
     method: str = "none"  # the proposer asked for: see METHODS
     via: str | None = None  # the proposer this sequence is started on now (its current incarnation)
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the policy
+    previous_accepted: int | None = None  # drafts accepted in its last drafted round
+    fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -235,6 +248,7 @@ class SpeculativeEngine:
         k: the most drafts per round; method: its proposer (METHODS; default: the engine's).
         ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension).
         timeout_s: fail the request (RequestTimeout) after this long (default: the engine's)."""
+        seeded = not sampling.greedy and sampling.seed is not None
         method = self.default_method if method is None else method
         if method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
@@ -246,7 +260,7 @@ class SpeculativeEngine:
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
                       (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish,
-                      method=method if k else "none")
+                      method=method if k else "none", fixed_k=seeded)
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         if timeout_s is not None:
             req.deadline = time.monotonic() + timeout_s
@@ -457,7 +471,8 @@ class SpeculativeEngine:
     def _round(self, running: list[Request]) -> None:
         # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
         limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
-        chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running])
+        chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running],
+                                    [r.fixed_k for r in running])
         t_round = time.perf_counter()
         drafts, t_draft = self._propose(running, chosen)
         ks = [len(d.tokens) for d in drafts]
@@ -482,6 +497,10 @@ class SpeculativeEngine:
             req.stats.record(k, num_accepted, c, req.via)
             self.policy.observe_acceptance(req.acceptance, k, num_accepted)
             req.stats.num_pipeline_hits += draft.pipeline_hit
+            if k and req.previous_accepted is not None:
+                req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
+            if k:
+                req.previous_accepted = num_accepted
             emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
             req.out += emitted
             req.unsent += emitted

@@ -210,9 +210,20 @@ class SpeculationPolicy:
         self.rounds = 0  # rounds chosen for
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[int]:
+    def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
+               fixed: list[bool] | None = None) -> list[int]:
         """k for each sequence of a round. limits: each sequence's most (its request's k, capped
-        by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer."""
+        by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer;
+        fixed: sequences that always draft their limit (a seeded sampled request, whose text
+        must not depend on timings)."""
+        if fixed and any(fixed):
+            free = [i for i, f in enumerate(fixed) if not f]
+            ks = list(limits)
+            if free:
+                for i, k in zip(free, self.choose([limits[i] for i in free], [acceptance[i] for i in free],
+                                                  [proposers[i] for i in free])):
+                    ks[i] = k
+            return ks
         if self.mode == "fixed" or not any(limits):
             return list(limits)
         b = len(limits)
