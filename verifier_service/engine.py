@@ -487,6 +487,7 @@ class SpeculativeEngine:
              for r, pos, lg in zip(running, positions, logits)])
         t_pass = time.perf_counter() - t0
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
+        written = 0
         for req, draft, outcome, k, c in zip(running, drafts, outcomes, ks, chosen):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
@@ -502,6 +503,7 @@ class SpeculativeEngine:
             if k:
                 req.previous_accepted = num_accepted
             emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
+            written += len(emitted)
             req.out += emitted
             req.unsent += emitted
             req.pending = next_token
@@ -514,8 +516,9 @@ class SpeculativeEngine:
                 self._finish(req, "stop" if stopped else "length")
             elif not wanted:
                 self._finish(req, "cancelled")
-        self.policy.observe_overhead(len(running), max(chosen) > 0,
-                                     time.perf_counter() - t_round - t_pass - t_draft)
+        wall = time.perf_counter() - t_round
+        self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
+        self.policy.observe_round(written, wall)
 
     def _propose(self, running: list[Request], ks: list[int]) -> tuple[list[Draft], float]:
         """One batched call per proposer in use. A drafter sequence that drafts nothing this round

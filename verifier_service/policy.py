@@ -23,6 +23,10 @@ sequences drafting k tokens each,
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
+What the model leaves out (thread hand-offs, contention between the two actors, acceptance that
+differs from the estimate) is learnt too: each round's tokens per second, measured, over the
+model's prediction, per batch size with and without drafting, calibrates the model's rates.
+
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
 hysteresis: speculation switches off only when plain decoding is `HYSTERESIS` faster by the
@@ -208,6 +212,8 @@ class SpeculationPolicy:
         self.on = True  # adaptive: speculating (k > 0) in the last round
         self.k = 0  # adaptive: the k > 0 chosen last
         self.rounds = 0  # rounds chosen for
+        self.calibrations: dict[tuple[int, bool], float] = {}  # (b, speculating) -> measured / modelled rate
+        self.predicted: tuple[int, bool, float] | None = None  # the last choice's (b, speculating, model rate)
 
     # ------------------------------------------------------------------ choosing
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
@@ -216,6 +222,7 @@ class SpeculationPolicy:
         by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer;
         fixed: sequences that always draft their limit (a seeded sampled request, whose text
         must not depend on timings)."""
+        self.predicted = None
         if fixed and any(fixed):
             free = [i for i, f in enumerate(fixed) if not f]
             ks = list(limits)
@@ -235,6 +242,8 @@ class SpeculationPolicy:
                  / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used)
                        + self.overhead.get((b, k > 0), 0.0), 1e-9)
                  for k in range(max(limits) + 1)]
+        model = list(rates)
+        rates = [r * self.calibration(b, k > 0) for k, r in enumerate(rates)]
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
@@ -244,10 +253,29 @@ class SpeculationPolicy:
         else:
             self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
         self.rounds += 1
-        if self.rounds % PROBE_EVERY == 0:  # a probe round now and then drafts the most: it keeps the
-            return list(limits)            # estimates of acceptance and drafting cost current for every k
         k = best if self.on else 0
+        if self.rounds % PROBE_EVERY == 0:  # a probe round now and then drafts the most: it keeps the
+            k = max(limits)                # estimates of acceptance and drafting cost current for every k
+        self.predicted = (b, k > 0, model[k])
         return [min(k, lim) for lim in limits]
+
+    def calibration(self, b: int, speculating: bool) -> float:
+        """Measured / modelled rate of past rounds like these (nearest batch size; 1 before any)."""
+        near = [(abs(bb - b), bb, c) for (bb, spec), c in self.calibrations.items() if spec == speculating]
+        return min(near)[2] if near else 1.0
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        """What the last chosen round really wrote per second, against what the model said: the
+        model's ratio to reality (unmodelled costs: thread hand-offs, contention between the
+        actors, acceptance that differs from the estimate) is learnt per batch size, with and
+        without drafting, and multiplies the model's rates from then on."""
+        if self.predicted is None or seconds <= 0:
+            return
+        b, spec, model = self.predicted
+        ratio = min(max(tokens / seconds / max(model, 1e-9), 0.05), 20.0)
+        old = self.calibrations.get((b, spec))
+        self.calibrations[(b, spec)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+        self.predicted = None
 
     def draft_cost(self, proposer: str | None, b: int, k: int) -> float:
         if not k or proposer is None:
@@ -267,6 +295,8 @@ class SpeculationPolicy:
                 "target_pass_ms": ms,
                 "draft_ms_for_k_1_and_4": {f"{p}@{b}": [round(d(1) * 1e3, 3), round(d(4) * 1e3, 3)]
                                            for (p, b), d in sorted(self.draft_costs.items())},
+                "calibration": {f"{b}{'+spec' if spec else ''}": round(c, 3)
+                                for (b, spec), c in sorted(self.calibrations.items())},
                 "round_overhead_ms": {f"{b}{'+spec' if spec else ''}": round(t * 1e3, 3)
                                       for (b, spec), t in sorted(self.overhead.items())}}
 
