@@ -153,6 +153,23 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
+def closed_loop(pair, prompts, concurrency: int, total: int, max_tokens: int, k: int) -> list[dict]:
+    """`total` greedy requests (prompts in turn), `concurrency` in flight at a time: a finished
+    one is replaced at once. Returns the verifier's outputs."""
+    import ray
+
+    from specserve.core.sampling import SamplingParams
+    submitted, in_flight, outs = 0, [], []
+    while len(outs) < total:
+        while submitted < total and len(in_flight) < concurrency:
+            in_flight.append(pair.submit(prompts[submitted % len(prompts)], max_tokens, SamplingParams(), k,
+                                         ignore_eos=True))
+            submitted += 1
+        done, in_flight = ray.wait(in_flight, num_returns=1)
+        outs += ray.get(done)
+    return outs
+
+
 def bench_batching(args) -> dict:
     """Aggregate tokens/s and inter-token latency at each concurrency, for batched plain decoding
     (k = 0 through the same loop) and batched speculation, sequential and pipelined."""
@@ -165,7 +182,8 @@ def bench_batching(args) -> dict:
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = heldout_prompts(model_dir, max(levels), args.prompt_tokens, load_tokenizer(target_path))
+    prompts = heldout_prompts(model_dir, max(max(levels), args.min_requests), args.prompt_tokens,
+                              load_tokenizer(target_path))
     rows: dict[str, dict] = {}
     for mode, pipeline, k, policy in (("plain", False, 0, "fixed"), ("speculative, sequential", False, args.k, "fixed"),
                                       ("speculative, pipelined", True, args.k, "fixed"),
@@ -173,13 +191,13 @@ def bench_batching(args) -> dict:
         pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
                                max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy)
         try:
-            ray.get(pair.submit(prompts[0], 8, SamplingParams(), k))  # warm-up
+            # warm-up: one full-length request (compiles, and gives the adaptive policy some rounds)
+            ray.get(pair.submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
             for c in levels:
                 runs, itl, by_k = [], [], Counter()
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    outs = ray.get([pair.submit(prompts[i], args.max_tokens, SamplingParams(), k, ignore_eos=True)
-                                    for i in range(c)])
+                    outs = closed_loop(pair, prompts, c, max(c, args.min_requests), args.max_tokens, k)
                     elapsed = time.perf_counter() - t0
                     runs.append(sum(len(o["token_ids"]) for o in outs) / elapsed)
                     for o in outs:
@@ -195,6 +213,8 @@ def bench_batching(args) -> dict:
                                                     rounds_by_k=[by_k[i] for i in range(args.k + 1)],
                                                     mean_chosen_k=sum(i * n for i, n in by_k.items())
                                                     / max(sum(by_k.values()), 1))
+                if policy == "adaptive":  # what the policy believed at the end of this level
+                    rows[mode][c]["policy"] = ray.get(pair.verifier.policy.remote())
                 print(f"  {mode} @ {c}: {rows[mode][c]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
         finally:
             pair.shutdown()
@@ -206,7 +226,7 @@ def bench_batching(args) -> dict:
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     return dict(models=str(model_dir), k=args.k, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                repeats=args.repeats, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
+                repeats=args.repeats, min_requests=args.min_requests, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
                 adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()))
 
 
@@ -238,7 +258,9 @@ def markdown_batching(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
              f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
-             "runs; one verifier and one drafter actor, 1 torch thread each.", "",
+             f"runs; each run of a level is max(concurrency, {report.get('min_requests', 0)}) requests, concurrency "
+             "of them in flight (closed loop), after one full-length warm-up request per row; one verifier and "
+             "one drafter actor, 1 torch thread each.", "",
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
              f"k <= {report['k']}), pipelined. Plot: `batching.png`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
@@ -304,6 +326,8 @@ def main(argv=None) -> int:
     d.add_argument("--prompts", type=int, default=10)
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", default="1,2,4,8,16,32")
+    b.add_argument("--min-requests", type=int, default=8,
+                   help="requests per level and run at least (closed loop: a finished one is replaced at once)")
     b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
     for name, help_ in OWN_PARSER_BENCHES.items():  # listed here, parsed by their own modules
         sub.add_parser(name, help=help_, add_help=False)

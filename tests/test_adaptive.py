@@ -68,6 +68,38 @@ def test_policy_turns_speculation_off_under_load_with_hysteresis():
     assert SpeculationPolicy("fixed").choose([3, 0, 2], [Acceptance()] * 3, ["a", None, "a"]) == [3, 0, 2]
 
 
+def test_ready_drafts_make_drafting_cheap_only_where_they_happen():
+    """A call whose drafts were prepared by pipelining costs H, one drafting on demand M(k): the
+    policy weighs them by the chance that every row's draft is ready (all accepted x h)."""
+    costs = PassCosts({(b, w): 1e-3 * (10 + 2 * (w - 1)) * b for b in (1, 8) for w in (1, 5)})
+    policy = SpeculationPolicy("adaptive", costs)
+    good = [Acceptance(accepted=90.0, trials=100.0) for _ in range(8)]
+    for _ in range(50):
+        policy.observe_acceptance(Acceptance(), 4, 4)  # the engine's positions: mostly all accepted
+        policy.observe_acceptance(Acceptance(), 4, 3)
+    for b in (1, 8):
+        for k in (1, 4):
+            policy.observe_draft("draft_model", b, k, 6e-3 * (k + 1) * b)  # on demand: 6 ms per drafter pass
+    rate = policy.model_rates([4], good[:1], ["draft_model"])
+    assert rate[4] < rate[0]  # drafting on demand does not pay
+    for _ in range(40):
+        policy.observe_ready("draft_model", True)
+    policy.observe_draft("draft_model", 1, 4, 1e-3, all_ready=True)
+    policy.observe_draft("draft_model", 8, 4, 1e-3, all_ready=True)
+    rate = policy.model_rates([4], good[:1], ["draft_model"])
+    assert rate[4] > 1.25 * rate[0]  # one sequence: its draft is often ready
+    rate8 = policy.model_rates([4] * 8, good, ["draft_model"] * 8)
+    assert rate8[4] < rate8[0]  # eight: some row almost always drafts on demand
+    assert policy.state()["ready_after_all_accepted"]["draft_model"] > 0.9
+
+
+def test_probes_back_off_while_they_confirm_the_decision():
+    policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 1e-3 * w for w in (1, 5)}))
+    policy.observe_draft("draft_model", 1, 4, 1.0)  # hopeless: off
+    probes = [r for r in range(1, 600) if policy.choose([4], [Acceptance()], ["draft_model"]) == [4]]
+    assert probes[:3] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY] and len(probes) <= 5
+
+
 @pytest.mark.parametrize("case", range(6))
 def test_adaptive_greedy_equals_plain_for_both_proposers(case):
     target = tiny_model("llama", V, seed=100 + case)

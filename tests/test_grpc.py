@@ -36,7 +36,8 @@ def test_q_travels_exactly(params, dtype):
 @pytest.fixture(scope="module")
 def stub():
     server, port, servicer = serve(tiny_model("llama", V, seed=0), host="127.0.0.1", pipeline=True)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    servicer.address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(servicer.address)
     yield pb_grpc.DrafterStub(channel), channel, servicer
     channel.close()
     server.stop(0)
@@ -146,3 +147,25 @@ def test_a_large_vocabulary_batch_fits_one_propose_with_a_16_bit_q():
     finally:
         channel.close()
         server.stop(0)
+
+
+def test_a_catch_up_call_is_not_waited_for_and_its_error_surfaces_on_the_next_call(stub):
+    """RemoteProposer sends a call with every k = 0 (only catching the drafter up) without
+    waiting: it returns empty drafts at once, the drafter still takes the tokens in before the
+    next call, and a failure of the catch-up is raised by the next call."""
+    from specserve.core.proposer import ProposeItem
+    from specserve.verifier.client import DrafterUnavailable, RemoteProposer
+    servicer = stub[2]
+    remote = RemoteProposer(servicer.address)
+    remote.start("cu", [1, 2, 3], SamplingParams())
+    drafts = remote.propose([ProposeItem("cu", [4, 5, 6], 0)])
+    assert [d.tokens for d in drafts] == [[]] and remote._in_flight is not None
+    d = remote.propose([ProposeItem("cu", [7], 2)])[0]  # collects the catch-up's answer first
+    assert remote._in_flight is None and len(d.tokens) == 2
+    assert servicer.inner.seqs["cu.0"].tokens[:7] == [1, 2, 3, 4, 5, 6, 7]  # (+ a pipelined guess)
+    remote.release("cu")
+    remote.rounds["gone"] = 0  # a sequence the drafter does not know: the catch-up fails there
+    remote.propose([ProposeItem("gone", [1], 0)])
+    with pytest.raises(DrafterUnavailable, match="NOT_FOUND"):
+        remote.propose([ProposeItem("gone", [], 1)])
+    remote.client.close()

@@ -66,6 +66,9 @@ class DrafterClient:
     def call(self, method: str, request, tokens: int = 0):
         return getattr(self.stub, method)(request, timeout=deadline(method, tokens))
 
+    def call_async(self, method: str, request, tokens: int = 0) -> grpc.Future:
+        return getattr(self.stub, method).future(request, timeout=deadline(method, tokens))
+
     def close(self) -> None:
         self.channel.close()
 
@@ -85,20 +88,37 @@ class RemoteProposer(Proposer):
         self._fresh: DrafterClient | None = None  # a new connection, ready to swap in
         self._reconnecting: threading.Thread | None = None
         self._backoff = 0.25
+        self._in_flight: tuple[grpc.Future, list[ProposeItem], list[int]] | None = None  # a catch-up call, unanswered
 
     def _wire_id(self, seq_id: str) -> str:
         return f"{seq_id}.{self.epoch}"
 
     def _call(self, method: str, request, tokens: int = 0):
+        self._settle()
         try:
             return self.client.call(method, request, tokens)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details()
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise CapacityError(details) from None
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-                raise ValueError(details) from None
-            raise DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}") from None
+            self._raise(method, e)
+
+    def _settle(self) -> None:
+        """Collects the answer to the catch-up call in flight, if any, before the next call (calls
+        stay in order); its error, if any, is raised here."""
+        if self._in_flight is None:
+            return
+        future, items, rounds = self._in_flight
+        self._in_flight = None
+        try:
+            self._check(items, rounds, future.result())
+        except grpc.RpcError as e:
+            self._raise("Propose", e)
+
+    def _raise(self, method: str, e: grpc.RpcError):
+        code, details = e.code(), e.details()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise CapacityError(details) from None
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            raise ValueError(details) from None
+        raise DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}") from None
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.start_many([(seq_id, prompt_ids, params)])
@@ -112,20 +132,34 @@ class RemoteProposer(Proposer):
             self.rounds[seq_id] = 0
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        """One Propose call. A call that only catches the drafter up (every k = 0) is sent and
+        not waited for: its answer (nothing to draft) is collected before the next call, so the
+        drafter takes the tokens in while the target works."""
+        self._settle()
         for item in items:
             self.rounds[item.seq_id] += 1
-        reply = self._call("Propose", pb.ProposeRequest(items=[pb.ProposeItem(
+        request = pb.ProposeRequest(items=[pb.ProposeItem(
             seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k,
             min_confidence=item.min_confidence)
-            for item in items]), sum(len(item.new_tokens) + item.k for item in items))
+            for item in items])
+        tokens = sum(len(item.new_tokens) + item.k for item in items)
+        rounds = [self.rounds[item.seq_id] for item in items]
+        if not any(item.k for item in items):
+            self._in_flight = (self.client.call_async("Propose", request, tokens), list(items), rounds)
+            return [Draft([], None) for _ in items]
+        drafts = self._check(items, rounds, self._call("Propose", request, tokens))
+        self._backoff = 0.25  # healthy again
+        return drafts
+
+    def _check(self, items: list[ProposeItem], rounds: list[int], reply) -> list[Draft]:
+        """The drafts of a reply, checked against what was asked."""
         drafts = []
-        for item, d in zip(items, reply.drafts, strict=True):
-            if d.seq_id != self._wire_id(item.seq_id) or d.round != self.rounds[item.seq_id] or len(d.tokens) > item.k:
+        for item, r, d in zip(items, rounds, reply.drafts, strict=True):
+            if d.seq_id != self._wire_id(item.seq_id) or d.round != r or len(d.tokens) > item.k:
                 raise DrafterUnavailable(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
-                                         f"to ({item.seq_id}, round {self.rounds[item.seq_id]}, k={item.k})")
+                                         f"to ({item.seq_id}, round {r}, k={item.k})")
             probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
             drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit))
-        self._backoff = 0.25  # healthy again
         return drafts
 
     def release(self, seq_id: str) -> None:
@@ -139,6 +173,7 @@ class RemoteProposer(Proposer):
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:
         self.rounds.clear()
+        self._in_flight = None
         if self._reconnecting is None or not self._reconnecting.is_alive():
             delay, self._backoff = self._backoff, min(2 * self._backoff, 10.0)  # a flapping drafter waits longer
             self._reconnecting = threading.Thread(target=self._reconnect, args=(delay,), name="drafter-reconnect",
@@ -166,6 +201,7 @@ class RemoteProposer(Proposer):
             return False
         old, self.client = self.client, fresh
         old.close()
+        self._in_flight = None
         self.epoch += 1
         self.reconnects += 1
         self.max_length = fresh.info.max_length

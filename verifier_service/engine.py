@@ -186,6 +186,7 @@ class Request:
     via: str | None = None  # the proposer this sequence is started on now (its current incarnation)
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the policy
     previous_accepted: int | None = None  # drafts accepted in its last drafted round
+    previous_k: int = 0  # drafts in its last drafted round
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -500,8 +501,10 @@ class SpeculativeEngine:
             req.stats.num_pipeline_hits += draft.pipeline_hit
             if k and req.previous_accepted is not None:
                 req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
+                if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
+                    self.policy.observe_ready(req.via, draft.pipeline_hit)
             if k:
-                req.previous_accepted = num_accepted
+                req.previous_accepted, req.previous_k = num_accepted, k
             emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
             written += len(emitted)
             req.out += emitted
@@ -543,7 +546,8 @@ class SpeculativeEngine:
             k = max(ks[i] for i in rows)
             if k:
                 t_draft += time.perf_counter() - t0
-                self.policy.observe_draft(name, len(rows), k, time.perf_counter() - t0)
+                self.policy.observe_draft(name, len(rows), k, time.perf_counter() - t0,
+                                          all_ready=all(d.pipeline_hit for i, d in zip(rows, proposed) if ks[i]))
             for i, draft in zip(rows, proposed):
                 drafts[i] = draft
                 running[i].unsent = []

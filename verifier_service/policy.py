@@ -16,10 +16,17 @@ sequences drafting k tokens each,
   its prior;
 - T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
   w (interpolated in between) and refined online by each round's measured pass;
-- D(b, k) = D0(b) + k * d(b): the proposer's time for a round, a fixed part (an RPC, the
-  catch-up pass) plus a part per drafted token, fitted online per proposer and batch size to the
-  measured calls (exponentially weighted least squares; a pipelined hit makes a call cheap, the
-  n-gram proposer's calls are near free);
+- D(b, k): the proposer's time for a round. A call either finds every row's draft ready
+  (pipelined drafting prepared it while the last round was verified: a "hit", costing H(b), the
+  RPC and the wait for the preparation) or drafts on demand (a "miss", costing
+  M(b, k) = M0(b) + k * m(b): a fixed part, the RPC and the catch-up pass, plus a part per drafted
+  token). H is an online average of all-hit calls; M is fitted to miss calls per proposer and
+  batch size (exponentially weighted least squares). A row's draft is ready when its last round
+  accepted every draft and the drafter's guess of the bonus token was right: probability
+  A_i(k) * h, A_i(k) = prod_{l<=k} a_l * s_i and h the proposer's measured hit rate after an
+  all-accepted round (0 for a proposer that does not pipeline). So
+  D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
+  batches and short k, which is where pipelining pays;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
@@ -30,9 +37,13 @@ model's prediction, per batch size with and without drafting, calibrates the mod
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
 hysteresis: speculation switches off only when plain decoding is `HYSTERESIS` faster by the
-model, and back on likewise, so it does not flap (one round in PROBE_EVERY drafts the most k,
-on or off, to keep the estimates of acceptance and drafting cost current for every k); k itself changes only for a predicted 5% gain
-(a draft prepared by pipelining for the old k is then still usable). While a sequence drafts nothing the engine keeps
+model, and back on likewise, so it does not flap; k itself changes only for a predicted 5% gain
+(a draft prepared by pipelining for the old k is then still usable). Probe rounds draft the most
+k, on or off, to keep the estimates of acceptance and drafting cost current for every k: the
+first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
+MAX_PROBE_BACKOFF times) each time a probe leaves the decision as it was, so a load where
+speculation does not pay (a wide probe round is dear there) is probed rarely. Probe rounds, and
+the round after k changed (its draft was never prepared), do not calibrate the model. While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
 speculation resumes.
 
@@ -56,7 +67,8 @@ HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of the engine-wide acceptance rate in a sequence's estimate
 EMA = 0.2  # weight of a new measured pass time
-PROBE_EVERY = 32  # one round in this many drafts each request's most k (re-measuring, even when off)
+PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
+MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
 PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
 
@@ -111,16 +123,22 @@ class PositionalAcceptance:
 
 def expected_round_tokens(position_rates: list[float], scale: float, k: int) -> float:
     """1 + sum_{j<=k} prod_{l<=j} min(1, a_l * scale)."""
+    return round_outcome(position_rates, scale, k)[0]
+
+
+def round_outcome(position_rates: list[float], scale: float, k: int) -> tuple[float, float]:
+    """(expected tokens of a round drafting k, probability that all k drafts are accepted)."""
     total, run = 1.0, 1.0
     for a in position_rates[:k]:
         run *= min(1.0, a * scale)
         total += run
-    return total
+    return total, run
 
 
 class DraftCosts:
-    """D(k) = D0 + k * d for one proposer at one batch size: least squares over the calls seen,
-    older calls weighing less (each new one multiplies the old sums by 1 - EMA)."""
+    """M(k) = M0 + k * m for one proposer at one batch size (calls that drafted on demand): least
+    squares over the calls seen, older calls weighing less (each new one multiplies the old sums
+    by 1 - EMA)."""
 
     def __init__(self):
         self.n = self.sk = self.skk = self.st = self.skt = 0.0
@@ -205,13 +223,20 @@ class SpeculationPolicy:
         self.costs = costs or PassCosts()
         self.min_confidence = (MIN_CONFIDENCE if mode == "adaptive" else 0.0) if min_confidence is None \
             else min_confidence
-        self.draft_costs: dict[tuple[str, int], DraftCosts] = {}  # (proposer, b) -> D(k)
+        self.draft_costs: dict[tuple[str, int], DraftCosts] = {}  # (proposer, b) -> M(k), calls that drafted
+        self.hit_costs: dict[tuple[str, int], float] = {}  # (proposer, b) -> H, calls whose drafts were all ready
+        self.hit_rates: dict[str, Acceptance] = {}  # proposer -> hits after all-accepted rounds (h)
         self.overhead: dict[tuple[int, bool], float] = {}  # (b, speculating) -> seconds per round, O
         self.engine_acceptance = Acceptance()
         self.positions = PositionalAcceptance()
         self.on = True  # adaptive: speculating (k > 0) in the last round
         self.k = 0  # adaptive: the k > 0 chosen last
         self.rounds = 0  # rounds chosen for
+        self.last_round_k = 0  # the k the last round drafted
+        self.since_probe: dict[int, int] = {}  # batch-size bucket -> rounds since its last probe
+        self.probe_backoff: dict[int, int] = {}  # batch-size bucket -> doublings of its probe interval
+        self.probes = 0
+        self._last_decision: dict[int, tuple[bool, int]] = {}  # bucket -> (on, k) at its last probe
         self.calibrations: dict[tuple[int, bool], float] = {}  # (b, speculating) -> measured / modelled rate
         self.predicted: tuple[int, bool, float] | None = None  # the last choice's (b, speculating, model rate)
 
@@ -234,16 +259,8 @@ class SpeculationPolicy:
         if self.mode == "fixed" or not any(limits):
             return list(limits)
         b = len(limits)
-        prior = self.engine_acceptance.rate(PRIOR_ACCEPTANCE, weight=1.0)
-        scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
-        position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
-        used = {p for p, lim in zip(proposers, limits) if lim}
-        rates = [sum(expected_round_tokens(position_rates, sc, min(k, lim)) for sc, lim in zip(scales, limits))
-                 / max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k) for p in used)
-                       + self.overhead.get((b, k > 0), 0.0), 1e-9)
-                 for k in range(max(limits) + 1)]
-        model = list(rates)
-        rates = [r * self.calibration(b, k > 0) for k, r in enumerate(rates)]
+        model = self.model_rates(limits, acceptance, proposers)
+        rates = [r * self.calibration(b, k > 0) for k, r in enumerate(model)]
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
@@ -254,10 +271,46 @@ class SpeculationPolicy:
             self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
         self.rounds += 1
         k = best if self.on else 0
-        if self.rounds % PROBE_EVERY == 0:  # a probe round now and then drafts the most: it keeps the
-            k = max(limits)                # estimates of acceptance and drafting cost current for every k
-        self.predicted = (b, k > 0, model[k])
+        bucket = b.bit_length()
+        self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
+        probe = self.since_probe[bucket] >= PROBE_EVERY << self.probe_backoff.get(bucket, 0)
+        if probe:  # a probe round now and then drafts the most: it keeps the estimates of
+            self.since_probe[bucket] = 0  # acceptance and drafting cost current for every k
+            self.probes += 1
+            decision = (self.on, self.k)  # as at the last probe: probe half as often from now on
+            settled = self._last_decision.get(bucket) == decision
+            self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
+            self._last_decision[bucket] = decision
+            k = max(limits)
+        # a probe, or a change of k (no draft was prepared for it), is no steady-state round
+        self.predicted = None if probe or k != self.last_round_k else (b, k > 0, model[k])
+        self.last_round_k = k
         return [min(k, lim) for lim in limits]
+
+    def model_rates(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[float]:
+        """The model's tokens per second of this batch for k = 0 .. max(limits) (uncalibrated)."""
+        b = len(limits)
+        prior = self.engine_acceptance.rate(PRIOR_ACCEPTANCE, weight=1.0)
+        scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
+        position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
+        used = {p for p, lim in zip(proposers, limits) if lim}
+        rates = []
+        for k in range(max(limits) + 1):
+            tokens, ready = 0.0, {p: 1.0 for p in used}  # ready: P(every row of p finds its draft ready)
+            for sc, lim, p in zip(scales, limits, proposers):
+                e, all_accepted = round_outcome(position_rates, sc, min(k, lim))
+                tokens += e
+                if lim:
+                    ready[p] *= all_accepted * self.hit_rate(p)
+            seconds = self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[p]) for p in used) \
+                + self.overhead.get((b, k > 0), 0.0)
+            rates.append(tokens / max(seconds, 1e-9))
+        return rates
+
+    def hit_rate(self, proposer: str | None) -> float:
+        """h: how often a row's draft was ready after a round that accepted all its drafts."""
+        counts = self.hit_rates.get(proposer)
+        return counts.rate(0.0, weight=1.0) if counts is not None else 0.0
 
     def calibration(self, b: int, speculating: bool) -> float:
         """Measured / modelled rate of past rounds like these (nearest batch size; 1 before any)."""
@@ -277,14 +330,18 @@ class SpeculationPolicy:
         self.calibrations[(b, spec)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
         self.predicted = None
 
-    def draft_cost(self, proposer: str | None, b: int, k: int) -> float:
+    def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0) -> float:
+        """D(b, k) = ready * H + (1 - ready) * M(b, k); ready: P(every row's draft is ready)."""
         if not k or proposer is None:
             return 0.0
         near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items() if p == proposer]
         if near:
-            return min(near, key=lambda x: x[:2])[2](k)
-        # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
-        return 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
+            miss = min(near, key=lambda x: x[:2])[2](k)
+        else:  # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
+            miss = 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
+        hits = [(abs(bb - b), bb, h) for (p, bb), h in self.hit_costs.items() if p == proposer]
+        hit = min(hits)[2] if hits else miss
+        return ready * hit + (1 - ready) * miss
 
     def state(self) -> dict:
         """What the policy believes now (for operators and benchmarks): times in ms."""
@@ -295,6 +352,9 @@ class SpeculationPolicy:
                 "target_pass_ms": ms,
                 "draft_ms_for_k_1_and_4": {f"{p}@{b}": [round(d(1) * 1e3, 3), round(d(4) * 1e3, 3)]
                                            for (p, b), d in sorted(self.draft_costs.items())},
+                "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
+                "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
+                "probes": self.probes,
                 "calibration": {f"{b}{'+spec' if spec else ''}": round(c, 3)
                                 for (b, spec), c in sorted(self.calibrations.items())},
                 "round_overhead_ms": {f"{b}{'+spec' if spec else ''}": round(t * 1e3, 3)
@@ -304,9 +364,19 @@ class SpeculationPolicy:
     def observe_pass(self, b: int, width: int, seconds: float) -> None:
         self.costs.observe(b, width, seconds)
 
-    def observe_draft(self, proposer: str, b: int, k: int, seconds: float) -> None:
-        if k:
+    def observe_draft(self, proposer: str, b: int, k: int, seconds: float, all_ready: bool = False) -> None:
+        """A call that drafted up to k for b rows; all_ready: every row's draft was prepared."""
+        if not k:
+            return
+        if all_ready:
+            old = self.hit_costs.get((proposer, b))
+            self.hit_costs[(proposer, b)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        else:
             self.draft_costs.setdefault((proposer, b), DraftCosts()).observe(k, seconds)
+
+    def observe_ready(self, proposer: str, ready: bool) -> None:
+        """A row drafted after a round that accepted all its drafts: was its draft ready?"""
+        self.hit_rates.setdefault(proposer, Acceptance()).add(1, int(ready), decay=0.99)
 
     def observe_overhead(self, b: int, speculating: bool, seconds: float) -> None:
         old = self.overhead.get((b, speculating))
