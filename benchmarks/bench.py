@@ -57,15 +57,41 @@ def time_target_pass(runner, prompt: list[int], n_tokens: int, reps: int = 30) -
     return statistics.median(times)
 
 
-def measure(generate, prompts, max_tokens: int, k: int) -> dict:
-    """One pass over all prompts (greedy): throughput and speculation statistics."""
+def time_preparation(drafter_path: str, prompt: list[int], k: int, fanouts: list[int], reps: int = 30) -> dict:
+    """Median ms the drafter takes, in process, to prepare one sequence's next round (pipelining's
+    `speculate`) for each fan-out: to pay, it must fit in the target's verification pass."""
+    from specserve.core.proposer import ProposeItem
+    from specserve.core.runner import ModelRunner
     from specserve.core.sampling import SamplingParams
-    tokens = passes = drafts = accepted = drafted = hits = 0
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.drafter.pipeline import PipelinedProposer
+    out = {}
+    for f in fanouts:
+        runner = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=f)
+        p = PipelinedProposer(DraftModelProposer(runner, branch_slots=f - 1), fanout=f)
+        p.start("s", prompt, SamplingParams(seed=0))
+        d = p.propose([ProposeItem("s", [], k)])[0]
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            p.speculate(["s"])
+            times.append(time.perf_counter() - t0)
+            d = p.propose([ProposeItem("s", d.tokens[:1] + [prompt[i % len(prompt)]], k)])[0]  # a rejection: a miss
+        out[f] = statistics.median(times) * 1e3
+    return out
+
+
+def measure(generate, prompts, max_tokens: int, k: int, sampling=None) -> dict:
+    """One pass over all prompts (greedy unless `sampling`): throughput and speculation statistics."""
+    from specserve.core.sampling import SamplingParams
+    tokens = passes = drafts = accepted = drafted = hits = prepared_rounds = prepared = 0
     by_outcome = [[0, 0] for _ in range(k + 1)]  # drafted rounds, hits by drafts accepted the round before
     t0 = time.perf_counter()
     for p in prompts:
-        r = generate(p, max_tokens, SamplingParams(), k)
+        r = generate(p, max_tokens, sampling or SamplingParams(), k)
         tokens += len(r.token_ids)
+        prepared_rounds += r.stats.num_prepared_rounds
+        prepared += r.stats.num_prepared_outcomes
         passes += r.stats.num_target_passes
         drafts += r.stats.num_drafts
         drafted += r.stats.num_draft_tokens
@@ -79,21 +105,24 @@ def measure(generate, prompts, max_tokens: int, k: int) -> dict:
                 mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
                 acceptance_rate=accepted / drafted if drafted else 0.0,
                 pipeline_hit_rate=hits / drafts if drafts else 0.0,
+                fanout_used=prepared / prepared_rounds if prepared_rounds else 0.0,
                 **{f"hit_rate_after_{a}_accepted": h / n if n else 0.0 for a, (n, h) in enumerate(by_outcome)},
                 **{f"share_after_{a}_accepted": n / max(sum(x[0] for x in by_outcome), 1)
                    for a, (n, h) in enumerate(by_outcome)})
 
 
-def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict:
+def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int, sampling: dict | None = None) -> dict:
     """rows: name -> factory() returning (generate, close); generate(prompt_ids, max_tokens, sampling, k)
-    returns a GenerationResult. Rows run one after another, each on its own resources."""
+    returns a GenerationResult. Rows run one after another, each on its own resources; sampling:
+    name -> SamplingParams for rows that sample (default greedy)."""
     from specserve.core.sampling import SamplingParams
     results = {}
     for name, factory in rows.items():
         generate, close = factory()
+        params = (sampling or {}).get(name)
         try:
             generate(prompts[0], 8, SamplingParams(), k)  # warm-up
-            per_run = [measure(generate, prompts, max_tokens, k) for _ in range(repeats)]
+            per_run = [measure(generate, prompts, max_tokens, k, params) for _ in range(repeats)]
         finally:
             close()
         print(f"  {name}: " + ", ".join(f"{r['tokens_per_s']:.1f}" for r in per_run) + " tok/s",
@@ -109,6 +138,7 @@ def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int) -> dict
 def bench_distributed(args) -> dict:
     from specserve.cluster.pair import SpeculativePair
     from specserve.core.runner import ModelRunner
+    from specserve.core.sampling import SamplingParams
     from specserve.drafter.draft_model import DraftModelProposer
     from specserve.verifier.engine import SpeculativeEngine
 
@@ -122,10 +152,13 @@ def bench_distributed(args) -> dict:
     spec = SpeculativeEngine(target, DraftModelProposer(drafter))
     t1 = time_target_pass(target, prompts[0], 1)
     tk1 = time_target_pass(target, prompts[0], args.k + 1)
+    fanouts = [int(f) for f in args.fanout.split(",")]
+    prepare_ms = time_preparation(drafter_path, prompts[0], args.k, sorted({1, *fanouts}))
 
-    def distributed(pipeline):
+    def distributed(pipeline, fanout=1):
         def factory():
-            pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed")
+            pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
+                                   fanout=fanout)
             return pair.generate, pair.shutdown
         return factory
 
@@ -133,8 +166,12 @@ def bench_distributed(args) -> dict:
             "2 speculative (in process)": lambda: (spec.generate, lambda: None),
             "3 distributed, sequential": distributed(False),
             "4 distributed, pipelined": distributed("all-accepted"),
-            "4b distributed, pipelined (most-likely policy)": distributed("most-likely")}
-    results = run_rows(rows, prompts, args.max_tokens, args.k, args.repeats)
+            "4b distributed, pipelined (most-likely policy)": distributed("most-likely"),
+            **{f"5 distributed, pipelined, fan-out {f}": distributed("all-accepted", f) for f in fanouts},
+            f"6 distributed, pipelined, fan-out {fanouts[-1]}, sampled T = 0.8": distributed("all-accepted",
+                                                                                            fanouts[-1])}
+    sampled = {name: SamplingParams(temperature=0.8, seed=0) for name in rows if name.startswith("6 ")}
+    results = run_rows(rows, prompts, args.max_tokens, args.k, args.repeats, sampled)
     alpha = results["2 speculative (in process)"]["acceptance_rate"]
     ideal = ideal_speedup(alpha, args.k, t1, tk1)
     return dict(models=str(model_dir), k=args.k, prompts=len(prompts), prompt_tokens=args.prompt_tokens,
@@ -143,6 +180,8 @@ def bench_distributed(args) -> dict:
                 pipelined_fraction_of_ideal=results["4 distributed, pipelined"]["speedup"] / ideal,
                 pipelined_over_sequential=results["4 distributed, pipelined"]["tokens_per_s"]
                 / results["3 distributed, sequential"]["tokens_per_s"],
+                fanout=fanouts, prepare_ms=prepare_ms, best_fanout=max(fanouts, key=lambda f: results[
+                    f"5 distributed, pipelined, fan-out {f}"]["tokens_per_s"]),
                 distributed_overhead=1 - results["3 distributed, sequential"]["tokens_per_s"]
                 / results["2 speculative (in process)"]["tokens_per_s"],
                 rows=results)
@@ -289,26 +328,41 @@ def markdown(report: dict, command: str) -> str:
              f"Models: `{report['models']}`, k = {report['k']}, {report['prompts']} prompts of "
              f"{report['prompt_tokens']} tokens, {report['max_tokens']} new tokens each (greedy), "
              f"median of {report['repeats']} runs, 1 torch thread per model.", "",
-             "| row | tokens/s | speedup vs row 1 | mean acceptance length | target passes / token | pipeline hit rate |",
-             "|---|---|---|---|---|---|"]
+             "Rows 5: the speculation cache (the drafter prepares up to F outcomes per round: the all-accepted one "
+             "and the likeliest others on branch slots); row 6 samples (temperature 0.8, a fixed seed per request; "
+             "the rows' mean acceptance length differs from the greedy rows').", "",
+             "| row | tokens/s | speedup vs row 1 | mean acceptance length | target passes / token | pipeline hit rate "
+             "| fan-out used |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in report["rows"].items():
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['mean_acceptance_length']:.2f} "
-                     f"| {r['passes_per_token']:.3f} | {r['pipeline_hit_rate']:.2f} |")
+                     f"| {r['passes_per_token']:.3f} | {r['pipeline_hit_rate']:.2f} | {r.get('fanout_used', 0):.2f} |")
     lines += ["", f"- acceptance rate alpha = {report['alpha']:.3f}; T_target(1) = {report['t_target_1_ms']:.2f} ms, "
               f"T_target({report['k'] + 1}) = {report['t_target_k1_ms']:.2f} ms (same run)",
               f"- ideal speedup E(alpha, k) × T(1)/T(k+1) = {report['ideal_speedup']:.2f}×; "
               f"row 4 reaches {report['pipelined_fraction_of_ideal']:.0%} of it",
               f"- row 4 / row 3 (pipelined over sequential) = {report['pipelined_over_sequential']:.2f}×",
               f"- distributed overhead (row 3 against row 2) = {report['distributed_overhead']:.1%}"]
-    pipelined = report["rows"]["4 distributed, pipelined"]
-    lines += ["", "Row 4's pipeline hit rate by the outcome of the round before (drafts accepted a; the drafter "
-              "prepares for a = k only):", "",
-              "| a | " + " | ".join(str(a) for a in range(report["k"] + 1)) + " |",
-              "|---|" + "---|" * (report["k"] + 1),
-              "| share of rounds | " + " | ".join(f"{pipelined[f'share_after_{a}_accepted']:.2f}"
-                                               for a in range(report["k"] + 1)) + " |",
-              "| hit rate | " + " | ".join(f"{pipelined[f'hit_rate_after_{a}_accepted']:.2f}"
-                                         for a in range(report["k"] + 1)) + " |"]
+    fanouts = report.get("fanout", [])
+    if "prepare_ms" in report:
+        lines += ["- the drafter's time to prepare a round (in process, one sequence), by fan-out: "
+                  + ", ".join(f"{f}: {ms:.1f} ms" for f, ms in report["prepare_ms"].items())
+                  + f"; the target's verification pass it hides behind: {report['t_target_k1_ms']:.1f} ms"]
+    if fanouts:
+        best = report["rows"][f"5 distributed, pipelined, fan-out {report['best_fanout']}"]
+        lines += [f"- fastest fan-out: {report['best_fanout']} ({best['tokens_per_s'] / report['rows']['3 distributed, sequential']['tokens_per_s']:.2f}× "
+                  f"row 3, {best['speedup'] / report['ideal_speedup']:.0%} of the ideal)"]
+    lines += ["", "Pipeline hit rate by the outcome of the round before (drafts accepted a; without fan-out the "
+              "drafter prepares for a = k only):", "",
+              "| row | " + " | ".join(f"a = {a}" for a in range(report["k"] + 1)) + " |",
+              "|---|" + "---|" * (report["k"] + 1)]
+    first = report["rows"]["4 distributed, pipelined"]
+    lines.append("| share of rounds (row 4) | " + " | ".join(f"{first[f'share_after_{a}_accepted']:.2f}"
+                                                          for a in range(report["k"] + 1)) + " |")
+    for name, r in report["rows"].items():
+        if name.startswith(("4", "5", "6")):
+            lines.append(f"| {name} | " + " | ".join(f"{r[f'hit_rate_after_{a}_accepted']:.2f}"
+                                                     for a in range(report["k"] + 1)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -324,6 +378,7 @@ def main(argv=None) -> int:
         q.add_argument("--max-tokens", type=int, default=64)
         q.add_argument("--repeats", type=int, default=3)
     d.add_argument("--prompts", type=int, default=10)
+    d.add_argument("--fanout", default="2,3", help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", default="1,2,4,8,16,32")
     b.add_argument("--min-requests", type=int, default=8,

@@ -34,6 +34,10 @@ class Metrics:
                                       "accepted in the round before", ["accepted"], registry=r)
         self.outcome_hits = Counter("specserve_pipeline_hits_by_outcome", "Pipeline hits by the drafts accepted in "
                                     "the round before", ["accepted"], registry=r)
+        self.prepared_rounds = Counter("specserve_pipeline_prepared_rounds", "Drafted rounds for which the "
+                                       "drafter had prepared outcomes", registry=r)
+        self.prepared_outcomes = Counter("specserve_pipeline_prepared_outcomes", "Outcomes the drafter had prepared "
+                                         "for those rounds (over prepared_rounds: the fan-out used)", registry=r)
         self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
         self.waiting = Gauge("specserve_num_requests_waiting", "Sequences queued for a slot", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
@@ -63,6 +67,8 @@ class Metrics:
         for a, (n, hits) in enumerate(zip(stats.get("outcome_rounds", []), stats.get("outcome_hits", []))):
             self.outcome_rounds.labels(str(a)).inc(n)
             self.outcome_hits.labels(str(a)).inc(hits)
+        self.prepared_rounds.inc(stats.get("num_prepared_rounds", 0))
+        self.prepared_outcomes.inc(stats.get("num_prepared_outcomes", 0))
         for method, n in stats.get("drafts_by_method", {}).items():
             self.drafts_by_method.labels(method).inc(n)
 

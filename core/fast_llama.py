@@ -241,18 +241,25 @@ class FastLlama:
             wpos += [s0 + j if j < m else j for j in range(t)]
             slot_of.append(s)
             last += [max(m - 1, 0)] * self._min_size if last_only else list(range(t))
-        compact = slot_of[:b] == list(range(b))
-        meta = torch.tensor(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows],
+        parents = self.cache.parents
+        branched = any(s in parents for s in slot_of)
+        compact = slot_of[:b] == list(range(b)) and not branched
+        extra = ([parents.get(s, (s, 0))[0] for s in slot_of] + [parents.get(s, (s, 0))[1] for s in slot_of]
+                 if branched else [])
+        meta = torch.tensor(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows] + extra,
                             device=self.device)
         nt = big * t
         nl = len(last)
         pos_t, wslot_t, wpos_t = meta[:nt].view(big, t), meta[nt:2 * nt].view(big, t), meta[2 * nt:3 * nt].view(big, t)
         last_t = meta[3 * nt:3 * nt + nl].view(big, -1)
         slot_t = meta[3 * nt + nl:3 * nt + nl + big]
-        row_t = meta[3 * nt + nl + big:]
+        row_t = meta[3 * nt + nl + big:3 * nt + nl + 2 * big]
+        # branch rows read their parent's slot below the fork (see SlotKVCache.fork)
+        parent_t, fork_t = (meta[3 * nt + nl + 2 * big:3 * nt + nl + 3 * big], meta[3 * nt + nl + 3 * big:]) \
+            if branched else (None, None)
         ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
         logits = self._pass(ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact,
-                            self.cache.k, self.cache.v)
+                            self.cache.k, self.cache.v, parent_t, fork_t)
         for s, m in zip(slots, n):
             lengths[s] += m
         if last_only:
@@ -264,9 +271,12 @@ class FastLlama:
             logits = logits.index_select(0, torch.tensor(inverse, device=self.device))
         return logits
 
-    def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache):
+    def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache,
+                    parent_idx=None, fork=None):
         """The layer stack over a padded batch; the part that is compiled."""
         b, t = ids.shape
+        if fork is not None:  # [b, 1, span, 1]: key positions a branch row reads from its parent
+            below = (torch.arange(span, device=ids.device)[None, :] < fork[:, None])[:, None, :, None]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, t, d]
         # key j of a row is visible to query q when j <= the query's position
         mask = (torch.arange(span, device=ids.device)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
@@ -285,6 +295,9 @@ class FastLlama:
                 keys, values = kb[:b, :, :span], vb[:b, :, :span]
             else:
                 keys, values = kb[slot_idx, :, :span], vb[slot_idx, :, :span]
+            if fork is not None:
+                keys = torch.where(below, kb[parent_idx, :, :span], keys)
+                values = torch.where(below, vb[parent_idx, :, :span], values)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                enable_gqa=self.kv_heads != self.heads)
             x = x + self._linear(o.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
@@ -320,7 +333,7 @@ class FastLlama:
         return x * cos + rotated * sin
 
     # ---------------------------------------------------------------- compile
-    def warmup(self, widths: tuple[int, ...] = (1, 5)) -> float:
+    def warmup(self, widths: tuple[int, ...] = (1, 5), branches: bool = False) -> float:
         """Runs the pass over the shape families serving uses (batches of 1 and 2, compact and
         gathered slots, these widths, last position only or all), so compiling happens now and
         not on the first request. Needs every slot empty, and leaves them so. If compiling fails
@@ -330,19 +343,19 @@ class FastLlama:
             raise RuntimeError("warm up before serving: sequences are live")
         t0 = time.perf_counter()
         try:
-            self._warm(widths)
+            self._warm(widths, branches)
         except Exception:
             if not self.compiled:
                 raise
             log.exception("compiling the forward failed: it runs eagerly")
             self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
-            self._warm(widths)
+            self._warm(widths, branches)
         seconds = time.perf_counter() - t0
         if self.compiled:
             log.info("forward compiled and warm in %.1f s", seconds)
         return seconds
 
-    def _warm(self, widths: tuple[int, ...]) -> None:
+    def _warm(self, widths: tuple[int, ...], branches: bool = False) -> None:
         shapes = [(b, w, last) for b in (1, min(2, self.slots)) for w in widths for last in (True, False)]
         for i, (b, w, last_only) in enumerate(shapes):
             for slots in ([*range(b)], [*range(b)][::-1] if b > 1 else [self.slots - 1]):
@@ -352,5 +365,11 @@ class FastLlama:
                     self.cache.reset(s)
                 self.forward([[1] * w] * b, slots, last_only=last_only)
                 self.forward([[1] * w] * b, slots, last_only=last_only)
+            if branches and self.slots > 2 and b == 1:  # a branch row (the drafter's prepared outcomes)
+                self.cache.reset(0)
+                self.cache.reset(self.slots - 1)
+                self.forward([[1] * w], [0], last_only=last_only)
+                self.cache.fork(self.slots - 1, 0, 1)
+                self.forward([[1] * w] * 2, [0, self.slots - 1], last_only=last_only)
         for s in range(self.slots):
             self.cache.reset(s)

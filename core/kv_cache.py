@@ -8,6 +8,10 @@ token); a compiled forward sees the capacity as a dynamic size, so growth does n
   [slots + 1, kv_heads, capacity, head_dim] per layer and a length per slot, so one batched pass
   serves several sequences (continuous batching). The extra row is a scratch slot: a batch padded
   to a fixed shape writes its padding there, so padding never touches a live sequence.
+  A slot can be a branch of another (`fork`): it attends to the parent's positions below the
+  fork and holds only what it writes from there on, so several continuations of one prefix
+  (the drafter's prepared outcomes) share the prefix's K/V without a copy; `adopt` moves a
+  branch's own positions into its parent when that continuation is the one that happened.
 - `PositionLayer`: the same idea as a Hugging Face cache layer, for architectures that run
   through HF's own modules (one `Cache` per slot). Unlike HF's StaticCache, attention runs over
   the valid prefix only (a view of the buffer), so it costs what DynamicCache costs.
@@ -28,6 +32,7 @@ class SlotKVCache:
         self.slots, self.kv_heads, self.head_dim, self.max_length = slots, kv_heads, head_dim, max_length
         self._like = like  # buffers take its dtype and device
         self.lengths = [0] * slots
+        self.parents: dict[int, tuple[int, int]] = {}  # branch slot -> (parent slot, fork position)
         self.k = [self._buffer(capacity) for _ in range(num_layers)]
         self.v = [self._buffer(capacity) for _ in range(num_layers)]
 
@@ -57,6 +62,30 @@ class SlotKVCache:
 
     def reset(self, slot: int = 0) -> None:
         self.lengths[slot] = 0
+        self.parents.pop(slot, None)
+
+    def fork(self, slot: int, parent: int, at: int) -> None:
+        """Makes `slot` a branch of `parent` at position `at`: it reads the parent's positions
+        below `at` and writes its own from `at` on. Nothing is copied; the parent must not
+        change its positions below `at` while the branch lives."""
+        if not 0 <= at <= self.lengths[parent] or parent in self.parents or slot == parent:
+            raise ValueError(f"cannot fork slot {slot} from slot {parent} at {at}")
+        self.lengths[slot] = at
+        self.parents[slot] = (parent, at)
+
+    def adopt(self, parent: int, slot: int) -> None:
+        """The parent takes over a branch: the branch's own positions [fork, its length) are copied
+        into the parent (only the tokens written since the fork), the parent's length becomes the
+        branch's, and the branch slot is free."""
+        owner, at = self.parents[slot]
+        if owner != parent:
+            raise ValueError(f"slot {slot} is not a branch of slot {parent}")
+        end = self.lengths[slot]
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[parent, :, at:end] = buf[slot, :, at:end]
+        self.lengths[parent] = end
+        self.reset(slot)
 
     def rollback(self, n: int, slot: int = 0) -> None:
         """Forgets the last n positions of a slot: only its length moves."""

@@ -23,6 +23,7 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # [k, V] q the tokens were sampled from; None when greedy
     pipeline_hit: bool = False  # prepared while the previous round was being verified
+    prepared: int = 0  # outcomes the drafter had prepared for this round (its fan-out used; 0: none)
 
 
 @dataclass

@@ -227,10 +227,29 @@ class ModelRunner:
         return torch.cat([self.model(input_ids=ids[i:i + 1], cache=self.caches[slot], use_cache=True,
                                      logits_to_keep=1).logits[:, -1].float() for i, slot in enumerate(slots)])
 
-    def warmup(self, widths: tuple[int, ...] = (1, 5)) -> float:
-        """Compiles (when compiled) and warms the forward for these widths before serving;
-        returns the seconds it took (0 on the HF path)."""
-        return self.fast.warmup(widths) if self.fast is not None else 0.0
+    def warmup(self, widths: tuple[int, ...] = (1, 5), branches: bool = False) -> float:
+        """Compiles (when compiled) and warms the forward for these widths (and branch rows)
+        before serving; returns the seconds it took (0 on the HF path)."""
+        return self.fast.warmup(widths, branches) if self.fast is not None else 0.0
+
+    @property
+    def branches(self) -> bool:
+        """Whether slots can branch (`fork`): the lean forward's cache can, the HF path cannot."""
+        return self.fast is not None
+
+    def fork(self, slot: int, parent: int, at: int) -> None:
+        """Starts `slot` as a branch of `parent` at position `at` (kv_cache.SlotKVCache.fork):
+        it reads the parent's first `at` positions without a copy."""
+        if not self.branches:
+            raise NotImplementedError(f"{self.name}: branches need the lean forward")
+        self.fast.cache.fork(slot, parent, at)
+        self.started[slot] = True
+
+    def adopt(self, parent: int, slot: int) -> None:
+        """The parent takes over a branch's continuation (only its new positions are copied); the
+        branch slot is released."""
+        self.fast.cache.adopt(parent, slot)
+        self.started[slot] = False
 
     @property
     def compiled(self) -> bool:

@@ -10,7 +10,7 @@ import ray
 class DrafterActor:
     def __init__(self, model_path: str, pipeline: bool | str = True, threads: int = 1, port: int = 0,
                  max_sequences: int = 64, seq_ttl_s: float = 600.0, device: str = "auto",
-                 dtype: str = "auto", q_dtype: str = "float32", compile: bool | str = "auto"):
+                 dtype: str = "auto", q_dtype: str = "float32", compile: bool | str = "auto", fanout: int = 1):
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -24,7 +24,7 @@ class DrafterActor:
         host = ray.util.get_node_ip_address()  # this node's address only, never every interface
         self.server, self.port, self.servicer = serve(runner.model, host=host, port=port, pipeline=pipeline,
                                                       max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
-                                                      q_dtype=q_dtype, compile=runner.compiled)
+                                                      q_dtype=q_dtype, compile=runner.compiled, fanout=fanout)
         self.address = f"{host}:{self.port}"
 
     def get_address(self) -> str:

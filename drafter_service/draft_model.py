@@ -5,6 +5,12 @@ tokens were committed since its last call, rolls its cache back to the longest p
 with them, feeds the rest and drafts; all sequences of a call advance together (one batched
 drafter pass per drafted position). A draft stops early before a position whose top q is below
 the item's `min_confidence` (`confidence_cut`); k = 0 only takes in the committed tokens.
+
+Branches (for pipelining's prepared outcomes, `specserve.drafter.pipeline`): `branch` starts a
+continuation of a sequence in one of `branch_slots` spare slots, forked from the sequence's slot
+(`ModelRunner.fork`: it reads the shared prefix there, without a copy); `propose_seqs` drafts for
+sequences and branches in the same batched passes; `adopt` makes a branch the sequence's state
+(its few new positions are copied into the sequence's slot), `drop_branch` frees it.
 """
 
 from __future__ import annotations
@@ -31,14 +37,17 @@ class _Seq:
 class DraftModelProposer(Proposer):
     """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings."""
 
-    def __init__(self, runner: ModelRunner, q_dtype: torch.dtype | None = None):
+    def __init__(self, runner: ModelRunner, q_dtype: torch.dtype | None = None, branch_slots: int = 0):
         """q_dtype: the dtype q is sent in (a remote drafter); drafts are sampled from q in that
-        dtype, so the verifier receives exactly the distribution each draft was drawn from."""
+        dtype, so the verifier receives exactly the distribution each draft was drawn from.
+        branch_slots: the runner's last slots kept for branches (none on the HF path)."""
         self.runner = runner
         self.q_dtype = q_dtype
         self.max_length = runner.max_length
         self.seqs: dict[str, _Seq] = {}
-        self.free = list(range(runner.slots - 1, -1, -1))
+        branch_slots = min(branch_slots, runner.slots - 1) if runner.branches else 0
+        self.free = list(range(runner.slots - branch_slots - 1, -1, -1))
+        self.branch_free = list(range(runner.slots - 1, runner.slots - branch_slots - 1, -1))
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.start_many([(seq_id, prompt_ids, params)])
@@ -68,9 +77,38 @@ class DraftModelProposer(Proposer):
             self.free.append(seq.slot)
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
-        seqs = [self.seqs[item.seq_id] for item in items]
+        return self.propose_seqs([self.seqs[item.seq_id] for item in items], items)
+
+    def propose_seqs(self, seqs: list[_Seq], items: list[ProposeItem]) -> list[Draft]:
+        """`propose` for sequences and branches (items[i] for seqs[i]; its seq_id is not read)."""
         logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
         return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items])
+
+    # ---------------------------------------------------------------- branches
+    def branch(self, seq_id: str, assumed: list[int]) -> _Seq | None:
+        """A branch for the outcome "`assumed` committed next": it shares the sequence's cached
+        positions up to the last assumed token (which must be cached there already, right after
+        the committed tokens) and holds the rest itself. Feed it [assumed[-1]] through
+        `propose_seqs`. None when no branch slot is free (or the prefix is not cached)."""
+        seq = self.seqs[seq_id]
+        prefix = seq.tokens + assumed[:-1]
+        if not self.branch_free or common_prefix_len(seq.cached, prefix) < len(prefix):
+            return None
+        slot = self.branch_free.pop()
+        self.runner.fork(slot, seq.slot, len(prefix))
+        return _Seq(slot, seq.params, list(prefix), list(prefix))
+
+    def adopt(self, seq_id: str, branch: _Seq) -> None:
+        """The branch's outcome happened: the sequence takes over its state (the branch's new
+        positions move into the sequence's slot) and the branch slot is freed."""
+        seq = self.seqs[seq_id]
+        self.runner.adopt(seq.slot, branch.slot)
+        self.branch_free.append(branch.slot)
+        seq.tokens, seq.cached, seq.confidence = branch.tokens, branch.cached, branch.confidence
+
+    def drop_branch(self, branch: _Seq) -> None:
+        self.runner.release(branch.slot)
+        self.branch_free.append(branch.slot)
 
     def _catch_up(self, updates: list[tuple[_Seq, list[int]]]) -> list[torch.Tensor]:
         """Commit new tokens, roll each cache back to what agrees with them, feed the rest.
@@ -173,17 +211,23 @@ class DraftModelProposer(Proposer):
     def confidence(self, seq_id: str) -> list[tuple[float, int, float]]:
         return self.seqs[seq_id].confidence
 
-    def guess_bonus(self, seq_ids: list[str], last_drafts: list[list[int]]) -> list[int]:
+    def guess_bonus(self, seq_ids: list[str], last_drafts: list[list[int]], top: int = 1) \
+            -> tuple[list[list[int]], list[list[float]]]:
         """Feed each sequence's last drafted token (one batched pass) and return the drafter's
-        argmax after it: its guess of the target's bonus token if every draft is accepted. A
-        draft cut short by confidence holds drafted tokens past its end: they are rolled back."""
+        `top` likeliest tokens after it, and their probabilities: its guesses of the target's
+        bonus token if every draft is accepted. A draft cut short by confidence holds drafted
+        tokens past its end: they are rolled back."""
         seqs = [self.seqs[s] for s in seq_ids]
         for seq, d in zip(seqs, last_drafts):
             keep = len(seq.tokens) + len(d) - 1  # committed + d_1 .. d_{n-1}, all in the cache
             self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
             seq.cached = seq.cached[:keep] + [d[-1]]
         out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
-        return torch.cat(out).argmax(-1).tolist()  # one transfer
+        logits = torch.cat(out)
+        best = torch.softmax(logits, -1).topk(min(top, logits.shape[-1]), -1)
+        top = best.indices.shape[-1]
+        both = torch.cat([best.indices.double(), best.values.double()], -1).tolist()  # one transfer
+        return [[int(t) for t in row[:top]] for row in both], [row[top:] for row in both]
 
     def uncommit(self, seq_id: str, length: int) -> None:
         """Forget committed tokens past `length` (an assumed commit that did not happen); the cache

@@ -16,13 +16,32 @@ verification and drafts round r+1 as if that outcome had been committed. Two pol
 - Miss: the guess is discarded: the committed tokens are reset and the KV cache rolls back to
   the longest prefix that agrees with what was really committed, then round r+1 is drafted.
 
+The speculation cache (fan-out F > 1): besides that outcome, the drafter prepares the F - 1
+likeliest others. An outcome is an accepted length a and the token the target writes at a:
+for a < k, the drafter's runner-up to d_{a+1}; for a = k, its next likeliest bonus tokens. Each
+is ranked by P(exactly a accepted), measured for this k over past rounds, times the drafter's
+probability of the token (for a < k, the runner-up's share of what d_{a+1} leaves). Outcomes
+are prepared in the order of that rank while branch slots are free (the pool is shared by all
+sequences, so at large batches only the likeliest few get one).
+
+Branches share the committed prefix: the main outcome drafts in the sequence's own slot, as
+without fan-out; every other outcome drafts in a branch slot forked from it at the outcome's
+first new position (`DraftModelProposer.branch`, `kv_cache.SlotKVCache.fork`). A branch row
+attends to the sequence's slot below the fork (committed tokens plus d_1..d_a, all already
+there) and writes only its own tokens, so nothing is copied per branch per round. All outcomes
+of all sequences draft in the same batched passes (one feed of each outcome's first token, then
+one pass per drafted position). When the verifier reports the outcome, the matching entry is
+returned at once; a branch that matched is adopted (its at most k + 1 new positions are copied
+into the sequence's slot), every other one is freed. A miss drafts on demand, as before.
+
 The prepared draft uses the sequence's last k and confidence threshold. It serves a request for
 the same threshold and at most that k (cut to k: a shorter draft is a prefix of a longer one);
 anything else is a miss. A k = 0 call (only catching up) is never served from a prepared draft.
 
 Output is unchanged by this: a sampled draft's random stream is derived from the committed
 length (see specserve.core.sampling.request_generator), and the drafter feeds one token per pass, so a prepared
-draft equals the one that would have been drafted on demand.
+draft (on the sequence's slot or on a branch) equals the one that would have been drafted on
+demand.
 """
 
 from __future__ import annotations
@@ -43,13 +62,23 @@ class _Prepared:
     k: int  # asked for (the draft may be shorter: cut by confidence)
     min_confidence: float
     confidence: list[tuple[float, int, float]]  # the draft's, see DraftModelProposer
+    branch: object = None  # the drafter's branch holding it; None: the sequence's own slot
 
 
 class PipelinedProposer(Proposer):
-    def __init__(self, inner: DraftModelProposer, policy: str = POLICIES[0]):
+    def __init__(self, inner: DraftModelProposer, policy: str = POLICIES[0], fanout: int = 1):
+        """fanout: outcomes prepared per sequence (1: the main one only); more need the inner
+        proposer's branch slots (see DraftModelProposer), and put the all-accepted outcome on
+        the sequence's own slot whatever the policy (the others' branches read it)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown pipelining policy {policy!r}; one of {POLICIES}")
+        if not isinstance(fanout, int) or fanout < 1:
+            raise ValueError(f"fanout must be an integer >= 1, got {fanout!r}")
         self.policy = policy
+        self.fanout = fanout
+        self.accepted_counts: dict[int, list[float]] = {}  # k -> past rounds by drafts accepted, 0..k
+        self.speculated = 0  # sequence-rounds prepared
+        self.prepared = 0  # outcomes prepared in them
         self.inner = inner
         self.max_length = inner.max_length
         self.last: dict[str, Draft] = {}  # the draft most recently returned, per sequence
@@ -60,7 +89,7 @@ class PipelinedProposer(Proposer):
         self.rounds = self.all_accepted = self.first_rejected = 0
         self.guess_right = self.guesses = self.runner_up_right = 0
         self.guessed: dict[str, int] = {}  # the bonus guess g made for a sequence's last draft
-        self.ready: dict[str, _Prepared] = {}
+        self.ready: dict[str, list[_Prepared]] = {}  # the main outcome first
         self.hits = 0
         self.misses = 0
 
@@ -75,21 +104,28 @@ class PipelinedProposer(Proposer):
         todo = []
         for i, item in enumerate(items):
             self._observe(item)
-            prepared = self.ready.pop(item.seq_id, None)
-            if prepared is not None:
-                if (prepared.assumed == item.new_tokens and 0 < item.k <= prepared.k
-                        and prepared.min_confidence == item.min_confidence):
-                    self.hits += 1
-                    d = prepared.draft
-                    out[i] = Draft(d.tokens[:item.k], d.probs[:item.k] if d.probs is not None else None,
-                                   pipeline_hit=True)
-                    self.last_conf[item.seq_id] = prepared.confidence
-                    continue
+            entries = self.ready.pop(item.seq_id, [])
+            match = next((p for p in entries if p.assumed == item.new_tokens and 0 < item.k <= p.k
+                          and p.min_confidence == item.min_confidence), None)
+            for p in entries:
+                if p.branch is not None and p is not match:
+                    self.inner.drop_branch(p.branch)
+            if match is not None:
+                self.hits += 1
+                if match.branch is not None:
+                    self.inner.adopt(item.seq_id, match.branch)
+                d = match.draft
+                out[i] = Draft(d.tokens[:item.k], d.probs[:item.k] if d.probs is not None else None,
+                               pipeline_hit=True, prepared=len(entries))
+                self.last_conf[item.seq_id] = match.confidence
+                continue
+            if entries:
                 self.misses += item.k > 0
-                self.inner.uncommit(item.seq_id, prepared.base)  # propose() rolls the cache back
-            todo.append(i)
+                self.inner.uncommit(item.seq_id, entries[0].base)  # propose() rolls the cache back
+            todo.append((i, len(entries)))
         if todo:
-            for i, draft in zip(todo, self.inner.propose([items[i] for i in todo])):
+            for (i, n), draft in zip(todo, self.inner.propose([items[i] for i, _ in todo])):
+                draft.prepared = n
                 out[i] = draft
                 self.last_conf[items[i].seq_id] = list(self.inner.confidence(items[i].seq_id))
         for item, draft in zip(items, out):
@@ -107,6 +143,10 @@ class PipelinedProposer(Proposer):
         while n < k and n < len(item.new_tokens) - 1 and item.new_tokens[n] == last.tokens[n]:
             n += 1
         self.rounds += 1
+        counts = self.accepted_counts.setdefault(k, [0.0] * (k + 1))
+        for a in range(k + 1):
+            counts[a] *= 0.99  # recent rounds count more
+        counts[n] += 1
         guess = self.guessed.pop(item.seq_id, None)
         if n == k:
             self.all_accepted += 1
@@ -119,8 +159,9 @@ class PipelinedProposer(Proposer):
             self.runner_up_right += bool(conf) and item.new_tokens[0] == conf[0][1]
 
     def speculate(self, seq_ids: list[str]) -> None:
-        """Prepare the next round of these sequences (same k as their last) for the guessed outcome
-        of their verification. Runs between rounds, as one batch."""
+        """Prepare the next round of these sequences (same k as their last) for the likeliest
+        outcomes of their verification: the main one, and with fan-out the F - 1 next on branches.
+        Runs between rounds, as one batch."""
         ids = [s for s in seq_ids if s in self.inner.seqs and s not in self.ready and self.last.get(s)
                and self.last[s].tokens
                and self.inner.committed_length(s) + len(self.last[s].tokens) + self.last_ask[s][0] + 1
@@ -128,16 +169,59 @@ class PipelinedProposer(Proposer):
         if not ids:
             return
         bases = {s: self.inner.committed_length(s) for s in ids}
-        assumed = {s: self._likeliest_rejection(s) for s in ids} if self.policy == "most-likely" else {}
+        assumed = {s: self._likeliest_rejection(s) for s in ids} \
+            if self.policy == "most-likely" and self.fanout == 1 else {}
         full = [s for s in ids if assumed.get(s) is None]
+        bonus: dict[str, tuple[list[int], list[float]]] = {}
         if full:
             lasts = [self.last[s].tokens for s in full]
-            for s, d, g in zip(full, lasts, self.inner.guess_bonus(full, lasts)):
-                assumed[s] = d + [g]
-                self.guessed[s] = g
-        drafts = self.inner.propose([ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids])
+            tokens, probs = self.inner.guess_bonus(full, lasts, top=self.fanout)
+            for s, d, t, p in zip(full, lasts, tokens, probs):
+                assumed[s] = d + [t[0]]
+                self.guessed[s] = t[0]
+                bonus[s] = t, p
+        branches = self._branch(ids, bonus) if self.fanout > 1 else []
+        seqs = [self.inner.seqs[s] for s in ids] + [b for _, _, b in branches]
+        asks = [ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids] + \
+            [ProposeItem(s, out[-1:], *self.last_ask[s]) for s, out, _ in branches]
+        drafts = self.inner.propose_seqs(seqs, asks)
         for s, d in zip(ids, drafts):
-            self.ready[s] = _Prepared(bases[s], assumed[s], d, *self.last_ask[s], list(self.inner.confidence(s)))
+            self.ready[s] = [_Prepared(bases[s], assumed[s], d, *self.last_ask[s], list(self.inner.confidence(s)))]
+        for (s, out, b), d in zip(branches, drafts[len(ids):]):
+            self.ready[s].append(_Prepared(bases[s], out, d, *self.last_ask[s], list(b.confidence), branch=b))
+        self.speculated += len(ids)
+        self.prepared += len(ids) + len(branches)
+
+    def _branch(self, ids: list[str], bonus: dict) -> list[tuple[str, list[int], object]]:
+        """Branches for the likeliest outcomes past the main one, as many per sequence as the
+        fan-out allows and the branch slots last, likeliest first over all sequences:
+        [(sequence, the outcome's committed tokens, its branch)]."""
+        candidates = []  # (rank, sequence, outcome)
+        for s in ids:
+            d, conf = self.last[s].tokens, self.last_conf.get(s) or []
+            p = self._accepted_distribution(len(d))
+            tokens, probs = bonus.get(s, ([], []))
+            candidates += [(p[len(d)] * q, s, d + [t]) for t, q in zip(tokens[1:], probs[1:])]
+            candidates += [(p[a] * qalt / max(1.0 - qx, 1e-6), s, d[:a] + [alt])
+                           for a, (qx, alt, qalt) in enumerate(conf[:len(d)])]
+        candidates.sort(key=lambda c: -c[0])
+        per_seq = dict.fromkeys(ids, 1)
+        out = []
+        for _, s, outcome in candidates:
+            if per_seq[s] >= self.fanout:
+                continue
+            b = self.inner.branch(s, outcome)
+            if b is None:
+                break  # no branch slot left
+            out.append((s, outcome, b))
+            per_seq[s] += 1
+        return out
+
+    def _accepted_distribution(self, k: int) -> list[float]:
+        """P(exactly a of k drafts accepted), a = 0..k, from past rounds with k drafts (smoothed)."""
+        counts = self.accepted_counts.get(k, [0.0] * (k + 1))
+        total = sum(counts) + k + 1
+        return [(c + 1) / total for c in counts]
 
     def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
         """The committed tokens of the outcome "d_1 rejected, runner-up written" when it has been
@@ -150,6 +234,9 @@ class PipelinedProposer(Proposer):
         return [conf[0][1]]
 
     def release(self, seq_id: str) -> None:
+        for p in self.ready.get(seq_id, []):
+            if p.branch is not None:
+                self.inner.drop_branch(p.branch)
         self.inner.release(seq_id)
         self.last.pop(seq_id, None)
         self.last_ask.pop(seq_id, None)

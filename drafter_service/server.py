@@ -28,6 +28,7 @@ from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import PROTOCOL_VERSION, WIRE_DTYPES, dtype_code, q_to_proto, sampling_from_proto
 
 MAX_K = 64
+BRANCH_SEQUENCES = 4  # branch slots are kept for this many sequences' fan-out (pipelining pays at small batches)
 MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_SEQ_TTL_S = 600.0
 
@@ -40,14 +41,20 @@ class RequestError(Exception):
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64,
-                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32", compile: bool = False):
+                 seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32", compile: bool = False,
+                 fanout: int = 1):
+        """fanout: with pipelining, outcomes prepared per sequence and round (see pipeline.py);
+        (fanout - 1) x BRANCH_SEQUENCES extra drafter slots hold the branches."""
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.q_dtype = WIRE_DTYPES[q_dtype]
-        runner = ModelRunner(model, name="drafter", slots=max_sequences, compile=compile)
-        runner.warmup(widths=(1,))  # compiles now (when compiled), not on the first request
-        self.inner = DraftModelProposer(runner, q_dtype=self.q_dtype)
+        self.fanout = fanout if pipeline else 1
+        branch_slots = (self.fanout - 1) * min(max_sequences, BRANCH_SEQUENCES)
+        runner = ModelRunner(model, name="drafter", slots=max_sequences + branch_slots, compile=compile)
+        runner.warmup(widths=(1,), branches=branch_slots > 0)  # compiles now (when compiled), not on the first request
+        self.inner = DraftModelProposer(runner, q_dtype=self.q_dtype, branch_slots=branch_slots)
         # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
-        self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []))
+        self.proposer = (PipelinedProposer(self.inner, *([pipeline] if isinstance(pipeline, str) else []),
+                                           fanout=self.fanout)
                          if pipeline else self.inner)
         self.max_length = self.inner.max_length
         self.pipeline = bool(pipeline)
@@ -143,7 +150,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         qs = _to_host([d.probs for d in drafts])
         return pb.ProposeReply(drafts=[
             pb.Draft(seq_id=item.seq_id, round=req.round, tokens=d.tokens, pipeline_hit=d.pipeline_hit,
-                     q=[q_to_proto(row) for row in q] if q is not None else [])
+                     prepared=d.prepared, q=[q_to_proto(row) for row in q] if q is not None else [])
             for item, req, d, q in zip(items, request.items, drafts, qs)])
 
     def _speculate(self, versions: dict[str, int]) -> None:
@@ -175,7 +182,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 live_sequences=self.live_sequences, pipeline=self.pipeline,
                                 pipeline_hits=getattr(self.proposer, "hits", 0),
                                 pipeline_misses=getattr(self.proposer, "misses", 0),
-                                protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype))
+                                protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype),
+                                fanout=self.fanout)
 
 
 def _to_host(probs: list) -> list:
@@ -190,11 +198,11 @@ def _to_host(probs: list) -> list:
 
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
           max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
-          compile: bool = False):
+          compile: bool = False, fanout: int = 1):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
     address); returns (server, bound_port, servicer)."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
-                               q_dtype=q_dtype, compile=compile)
+                               q_dtype=q_dtype, compile=compile, fanout=fanout)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

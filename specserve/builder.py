@@ -79,7 +79,7 @@ class DrafterHandle:
         self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
-            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile)
+            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile, fanout=cfg.fanout)
 
     def address(self) -> str:
         import ray

@@ -25,6 +25,7 @@ class SpecServeConfig:
     k: int = 4  # the most draft tokens per round (0: no speculation)
     speculation: str = "adaptive"  # adaptive: the policy picks k <= this per round (0 when it does not pay); fixed: k
     pipeline: bool | str = True  # False, True (the default policy) or a name from PIPELINE_POLICIES
+    fanout: int = 1  # with pipeline: outcomes the drafter prepares per round and sequence (1: the main one; docs/benchmarks/distributed.md)
     max_num_seqs: int = 8  # sequences batched together in each round, per pair
     max_waiting: int = 64  # queued requests per pair beyond which new ones are refused (HTTP 503)
     max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
@@ -56,6 +57,7 @@ class SpecServeConfig:
              f"speculation must be one of {SPECULATION_POLICIES}, got {self.speculation!r}")
         need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
              f"pipeline must be true, false or one of {PIPELINE_POLICIES}, got {self.pipeline!r}")
+        need(_is_int(self.fanout) and 1 <= self.fanout <= 16, f"fanout must be an integer in [1, 16], got {self.fanout!r}")
         need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")
         need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting must be an integer >= 0")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),

@@ -74,6 +74,7 @@ APP_ARGS = {
     "drafter": (str, type(None)),
     "k": (int,),
     "pipeline": (bool,),
+    "fanout": (int,),
     "max_num_seqs": (int,),
     "max_waiting": (int,),
     "max_model_len": (int, type(None)),

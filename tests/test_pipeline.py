@@ -1,10 +1,12 @@
 """Pipelined drafting, in process: prepared drafts never change the output, for both policies."""
 
 import pytest
+import torch
 
 from specserve.training.tiny import tiny_model
 from specserve.drafter.pipeline import PipelinedProposer
 from specserve.drafter.draft_model import DraftModelProposer
+from specserve.core.proposer import ProposeItem
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams
 from specserve.verifier.engine import SpeculativeEngine
@@ -21,25 +23,65 @@ class SpeculateEveryRound(PipelinedProposer):
         return drafts
 
 
-@pytest.mark.parametrize("policy", ["all-accepted", "most-likely"])
-def test_pipelined_output_equals_on_demand_drafting(policy):
-    hits = 0
+@pytest.mark.parametrize("policy,fanout", [("all-accepted", 1), ("most-likely", 1), ("all-accepted", 3)])
+def test_pipelined_output_equals_on_demand_drafting(policy, fanout):
+    """Greedy and sampled: the same tokens with drafts prepared (for one outcome, or for three
+    on branch slots) as with drafts made on demand."""
+    hits = branch_hits = 0
     for seed in range(8):
         target = tiny_model("llama", V, seed=seed)
         drafter = target if seed % 2 == 0 else tiny_model("llama", V, seed=50 + seed, layers=1)
         for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=seed)):
             want = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)),
                                      eos_ids=set()).generate([1, 2, 3], 40, params, 4)
-            got = SpeculativeEngine(ModelRunner(target),
-                                    SpeculateEveryRound(DraftModelProposer(ModelRunner(drafter)), policy),
+            inner = DraftModelProposer(ModelRunner(drafter, slots=1 + 2 * (fanout - 1)), branch_slots=2 * (fanout - 1))
+            got = SpeculativeEngine(ModelRunner(target), SpeculateEveryRound(inner, policy, fanout=fanout),
                                     eos_ids=set()).generate([1, 2, 3], 40, params, 4)
             assert got.token_ids == want.token_ids
             hits += got.stats.num_pipeline_hits
             s = got.stats  # hits by the outcome of the round before: every drafted round after the first
             assert sum(s.outcome_rounds) == s.num_drafts - 1 and sum(s.outcome_hits) == s.num_pipeline_hits
-            if policy == "all-accepted":  # prepared for "all 4 accepted" only
+            if policy == "all-accepted" and fanout == 1:  # prepared for "all 4 accepted" only
                 assert sum(s.outcome_hits[:4]) == 0
+            branch_hits += sum(s.outcome_hits[:4])
+            assert len(inner.branch_free) == 2 * (fanout - 1)  # every branch slot back
     assert hits > 0  # drafter == target: the prepared drafts are used
+    assert (branch_hits > 0) == (fanout > 1 or policy == "most-likely")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature):
+    """For each outcome the drafter prepared on a branch (or its own slot), answering with that
+    outcome returns what a drafter that prepared nothing drafts: the same tokens, and q equal up
+    to float rounding (the prepared outcomes are drafted as one batch of 5 rows, on demand as one
+    row, and a CPU GEMM's rounding depends on the row count; the verifier is sent the q each
+    token was drawn from, so the sampled distribution is exact either way)."""
+    drafter = tiny_model("llama", V, seed=5, layers=1)
+    params = SamplingParams(temperature=temperature, seed=3) if temperature else SamplingParams(seed=3)
+    first = ProposeItem("s", [], 4)
+    probe = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5), branch_slots=4), fanout=5)
+    probe.start("s", [1, 2, 3, 4], params)
+    probe.propose([first])
+    probe.speculate(["s"])
+    outcomes = [p.assumed for p in probe.ready["s"]]
+    assert len(outcomes) == 5 and len({tuple(o) for o in outcomes}) == 5
+    for outcome in outcomes:
+        pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5), branch_slots=4), fanout=5)
+        on_demand = DraftModelProposer(ModelRunner(drafter))
+        for p in (pipelined, on_demand):
+            p.start("s", [1, 2, 3, 4], params)
+            p.propose([first])
+        pipelined.speculate(["s"])
+        got = pipelined.propose([ProposeItem("s", outcome, 4)])[0]
+        want = on_demand.propose([ProposeItem("s", outcome, 4)])[0]
+        assert got.pipeline_hit and got.prepared == 5 and got.tokens == want.tokens
+        assert (got.probs is None) == (want.probs is None) == (temperature == 0)
+        if want.probs is not None:
+            assert torch.allclose(got.probs, want.probs, rtol=0, atol=1e-6)
+        # and the round after: the adopted branch drafts on as the on-demand drafter does
+        nxt = [ProposeItem("s", got.tokens[:1] + [7], 3)]
+        assert pipelined.propose(nxt)[0].tokens == on_demand.propose(nxt)[0].tokens
+        assert len(pipelined.inner.branch_free) == 4
 
 
 def test_unknown_policy_is_refused():

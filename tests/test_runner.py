@@ -1,5 +1,6 @@
 """KV rollback: lengths, O(1) cost, and logits equal to a fresh forward after a rollback."""
 
+import pytest
 import torch
 
 from specserve.training.tiny import tiny_model
@@ -101,3 +102,27 @@ def test_ragged_batch_next_to_a_capacity_boundary():
     out = fast.forward([near[-1:], short[-5:]], [0, 1])  # slot 0 ends at 255 < 256; slot 1 adds 5 tokens
     assert torch.allclose(out[0], full_logits(model, near)[-1:], atol=1e-4)
     assert torch.allclose(out[1], full_logits(model, short)[-5:], atol=1e-4)
+
+
+def test_a_branch_reads_its_parents_prefix_and_adopting_it_moves_only_its_new_positions():
+    """fork: a slot that attends to another slot's first positions without a copy; adopt: the
+    parent takes the branch's continuation over."""
+    model = tiny_model("llama", 64, seed=3)
+    runner = ModelRunner(model, slots=3)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    runner.prefill(prompt, slot=0)
+    runner.fork(2, 0, 5)  # the branch continues after prompt[:5]
+    alone = ModelRunner(model)
+    alone.prefill(prompt[:5])
+    assert torch.equal(runner.score([9, 8], slot=2), alone.score([9, 8]))
+    after = ModelRunner(model)  # the parent is untouched by its branch
+    after.prefill(prompt)
+    assert torch.equal(runner.score([9], slot=0), after.score([9]))
+    with pytest.raises(ValueError):
+        runner.fork(1, 2, 3)  # a branch of a branch
+    with pytest.raises(ValueError):
+        runner.fork(1, 0, 99)  # past the parent's positions
+    runner.rollback(3, slot=0)  # back to prompt[:5]: the branch's outcome happened
+    runner.adopt(0, 2)
+    assert runner.seq_length(0) == 7 and runner.seq_length(2) == 0 and not runner.started[2]
+    assert torch.allclose(runner.score([4], slot=0), alone.score([4]), atol=1e-5)

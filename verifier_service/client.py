@@ -159,7 +159,7 @@ class RemoteProposer(Proposer):
                 raise DrafterUnavailable(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
                                          f"to ({item.seq_id}, round {r}, k={item.k})")
             probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
-            drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit))
+            drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit, prepared=d.prepared))
         return drafts
 
     def release(self, seq_id: str) -> None:

@@ -69,6 +69,8 @@ class SpecStats:
     outcome_rounds: list[int] = field(default_factory=list)
     outcome_hits: list[int] = field(default_factory=list)
     drafts_by_method: dict[str, int] = field(default_factory=dict)  # drafted rounds by proposer
+    num_prepared_rounds: int = 0  # drafted rounds for which the drafter had prepared outcomes
+    num_prepared_outcomes: int = 0  # outcomes prepared for them (the speculation cache's fan-out used)
 
     def record_outcome(self, previous_accepted: int, hit: bool) -> None:
         while len(self.outcome_rounds) <= previous_accepted:
@@ -499,6 +501,9 @@ class SpeculativeEngine:
             req.stats.record(k, num_accepted, c, req.via)
             self.policy.observe_acceptance(req.acceptance, k, num_accepted)
             req.stats.num_pipeline_hits += draft.pipeline_hit
+            if k and draft.prepared:
+                req.stats.num_prepared_rounds += 1
+                req.stats.num_prepared_outcomes += draft.prepared
             if k and req.previous_accepted is not None:
                 req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
                 if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
