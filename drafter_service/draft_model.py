@@ -34,6 +34,10 @@ class _Seq:
     confidence: list[tuple[float, int, float]] = field(default_factory=list)
 
 
+class Interrupted(Exception):
+    """Drafting was stopped between passes (`stop`): the slots hold only what `cached` says."""
+
+
 class DraftModelProposer(Proposer):
     """Drafts with a small causal LM; q = warp(drafter logits) with each request's settings."""
 
@@ -79,10 +83,17 @@ class DraftModelProposer(Proposer):
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         return self.propose_seqs([self.seqs[item.seq_id] for item in items], items)
 
-    def propose_seqs(self, seqs: list[_Seq], items: list[ProposeItem]) -> list[Draft]:
-        """`propose` for sequences and branches (items[i] for seqs[i]; its seq_id is not read)."""
+    def propose_seqs(self, seqs: list[_Seq], items: list[ProposeItem], stop=None) -> list[Draft]:
+        """`propose` for sequences and branches (items[i] for seqs[i]; its seq_id is not read).
+        stop: checked before each drafting pass; when it returns True, the drafted positions are
+        rolled back (each slot holds its `cached` tokens) and Interrupted is raised."""
         logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
-        return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items])
+        try:
+            return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items], stop)
+        except Interrupted:
+            for seq in seqs:
+                self.runner.rollback(self.runner.seq_length(seq.slot) - len(seq.cached), slot=seq.slot)
+            raise
 
     # ---------------------------------------------------------------- branches
     def branch(self, seq_id: str, assumed: list[int]) -> _Seq | None:
@@ -145,11 +156,11 @@ class DraftModelProposer(Proposer):
     ONE_BY_ONE = 17  # the most tokens a round commits (k <= 16 drafts + 1)
 
     def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int],
-               min_confidence: list[float] | None = None) -> list[Draft]:
+               min_confidence: list[float] | None = None, stop=None) -> list[Draft]:
         """k_i tokens per sequence, one batched pass per position (`_draft_on_device`); drafts
         and confidences then come to the host in one transfer, and each draft is cut at its
         first position below min_confidence."""
-        qs, steps = self._draft_on_device(seqs, logits, ks)
+        qs, steps = self._draft_on_device(seqs, logits, ks, stop)
         drafts: list[list[int]] = [[] for _ in seqs]
         tops: list[list[float]] = [[] for _ in seqs]
         for seq in seqs:
@@ -169,7 +180,7 @@ class DraftModelProposer(Proposer):
         cuts = [confidence_cut(t, c) for t, c in zip(tops, min_confidence or [0.0] * len(seqs))]
         return [Draft(d[:n], torch.stack(q[:n]) if q[:n] else None) for d, q, n in zip(drafts, qs, cuts)]
 
-    def _draft_on_device(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int]):
+    def _draft_on_device(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int], stop=None):
         """The drafting loop, all on the drafter's device: drafted tokens are fed back from there.
         Returns (q rows per sequence, per step (live rows, [rows, 5] of token, q(token), runner-up,
         q(runner-up), largest q))."""
@@ -201,6 +212,8 @@ class DraftModelProposer(Proposer):
             xs = torch.stack(tokens)
             steps.append((live, torch.stack(info)))
             feed = [j for j, i in enumerate(live) if step < ks[i] - 1]
+            if feed and stop is not None and stop():
+                raise Interrupted
             if feed:
                 fed = [live[j] for j in feed]
                 out = self.runner.score_ids(xs.index_select(0, torch.tensor(feed, device=device))[:, None],

@@ -46,12 +46,13 @@ demand.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from specserve.config import PIPELINE_POLICIES as POLICIES
 from specserve.core.proposer import Draft, ProposeItem, Proposer
 from specserve.core.sampling import SamplingParams
-from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.draft_model import DraftModelProposer, Interrupted
 
 
 @dataclass
@@ -90,6 +91,11 @@ class PipelinedProposer(Proposer):
         self.guess_right = self.guesses = self.runner_up_right = 0
         self.guessed: dict[str, int] = {}  # the bonus guess g made for a sequence's last draft
         self.ready: dict[str, list[_Prepared]] = {}  # the main outcome first
+        # while `speculate` drafts: the outcomes it prepares, per sequence; `interrupt` stops it
+        # between passes (the drafter server sets it when a Propose arrives that none will serve)
+        self.preparing: dict[str, list[list[int]]] = {}
+        self.interrupt = threading.Event()
+        self.interrupted = 0
         self.hits = 0
         self.misses = 0
 
@@ -132,6 +138,15 @@ class PipelinedProposer(Proposer):
             self.last[item.seq_id] = draft
             self.last_ask[item.seq_id] = (item.k, item.min_confidence)
         return out
+
+    def served_by_preparation(self, seq_id: str, new_tokens: list[int], k: int) -> bool:
+        """Whether a call for this sequence would be served by what is prepared or being
+        prepared now (called from another thread, without the lock: a hint)."""
+        if k == 0:
+            return True
+        ready = self.ready.get(seq_id)
+        outcomes = [p.assumed for p in ready] if ready else self.preparing.get(seq_id, [])
+        return new_tokens in outcomes
 
     def _observe(self, item: ProposeItem) -> None:
         """Learn from the verifier's answer to this sequence's last draft."""
@@ -184,7 +199,21 @@ class PipelinedProposer(Proposer):
         seqs = [self.inner.seqs[s] for s in ids] + [b for _, _, b in branches]
         asks = [ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids] + \
             [ProposeItem(s, out[-1:], *self.last_ask[s]) for s, out, _ in branches]
-        drafts = self.inner.propose_seqs(seqs, asks)
+        self.preparing = {s: [assumed[s]] for s in ids}
+        for s, out, _ in branches:
+            self.preparing[s].append(out)
+        try:
+            drafts = self.inner.propose_seqs(seqs, asks, stop=self.interrupt.is_set)
+        except Interrupted:  # the verifier is back with an outcome nobody prepares: it goes first
+            self.interrupted += 1
+            for s in ids:
+                self.inner.uncommit(s, bases[s])
+                self.guessed.pop(s, None)
+            for _, _, b in branches:
+                self.inner.drop_branch(b)
+            return
+        finally:
+            self.preparing = {}
         for s, d in zip(ids, drafts):
             self.ready[s] = [_Prepared(bases[s], assumed[s], d, *self.last_ask[s], list(self.inner.confidence(s)))]
         for (s, out, b), d in zip(branches, drafts[len(ids):]):

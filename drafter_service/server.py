@@ -122,7 +122,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return self._handle(context, lambda: self._propose(request))
 
     def _propose(self, request):
+        if self.pipeline and self.proposer.preparing and not all(
+                self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k) for item in request.items):
+            self.proposer.interrupt.set()  # drafting on demand follows: stop preparing guesses that lost
         with self.lock:
+            if self.pipeline:
+                self.proposer.interrupt.clear()
             items = []
             for item in request.items:
                 seq = self.inner.seqs.get(item.seq_id)

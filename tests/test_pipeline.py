@@ -87,3 +87,28 @@ def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         PipelinedProposer(DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=0))), "sometimes")
+
+
+@pytest.mark.parametrize("fanout", [1, 3])
+def test_an_interrupted_preparation_leaves_nothing_behind(fanout):
+    """The drafter server stops a preparation between passes when the verifier comes back with an
+    outcome it does not cover: nothing is kept, every branch slot is free again, and the next
+    draft equals the on-demand one."""
+    drafter = tiny_model("llama", V, seed=6, layers=1)
+    params = SamplingParams(temperature=0.9, seed=4)
+    pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=3), branch_slots=2), fanout=fanout)
+    on_demand = DraftModelProposer(ModelRunner(drafter))
+    for p in (pipelined, on_demand):
+        p.start("s", [1, 2, 3, 4], params)
+        p.propose([ProposeItem("s", [], 4)])
+    passes = []
+    pipelined.interrupt = type("AfterOnePass", (), {"is_set": lambda self: passes.append(1) or len(passes) > 1})()
+    pipelined.speculate(["s"])
+    assert pipelined.interrupted == 1 and "s" not in pipelined.ready and not pipelined.preparing
+    assert len(pipelined.inner.branch_free) == 2
+    runner, seq = pipelined.inner.runner, pipelined.inner.seqs["s"]
+    assert runner.seq_length(seq.slot) == len(seq.cached) and seq.tokens == [1, 2, 3, 4]  # the guess undone
+    for answer in ([9, 8], [3]):
+        got = pipelined.propose([ProposeItem("s", answer, 4)])[0]
+        want = on_demand.propose([ProposeItem("s", answer, 4)])[0]
+        assert not got.pipeline_hit and got.tokens == want.tokens
