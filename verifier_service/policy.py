@@ -43,7 +43,9 @@ k, on or off, to keep the estimates of acceptance and drafting cost current for 
 first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
 MAX_PROBE_BACKOFF times) each time a probe leaves the decision as it was, so a load where
 speculation does not pay (a wide probe round is dear there) is probed rarely. Probe rounds, and
-the round after k changed (its draft was never prepared), do not calibrate the model. While a sequence drafts nothing the engine keeps
+the round after k changed (its draft was never prepared), do not calibrate the model; a
+calibration not re-measured drifts back towards 1 (RELAX per round), so one learnt in a bad spell
+(a busy machine) does not keep speculation off for good. While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
 speculation resumes.
 
@@ -67,6 +69,7 @@ HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of the engine-wide acceptance rate in a sequence's estimate
 EMA = 0.2  # weight of a new measured pass time
+RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
 MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
 PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
@@ -326,6 +329,8 @@ class SpeculationPolicy:
             return
         b, spec, model = self.predicted
         ratio = min(max(tokens / seconds / max(model, 1e-9), 0.05), 20.0)
+        for key, c in self.calibrations.items():  # the others drift back towards 1: one learnt in a
+            self.calibrations[key] = 1 + (c - 1) * (1 - RELAX)  # bad spell must not keep a mode off
         old = self.calibrations.get((b, spec))
         self.calibrations[(b, spec)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
         self.predicted = None
