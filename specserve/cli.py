@@ -190,10 +190,27 @@ def cmd_serve(args) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
-    print("shutting down", flush=True)
-    serve.shutdown()
-    ray.shutdown()
+    print("shutting down (Ctrl-C again to exit at once)", flush=True)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
+        if not _bounded(step, SHUTDOWN_STEP_S):
+            print(f"{what} did not shut down within {SHUTDOWN_STEP_S:.0f} s; its threads, for a bug report:",
+                  file=sys.stderr, flush=True)
+            import faulthandler
+            faulthandler.dump_traceback(file=sys.stderr)
     return 0
+
+
+SHUTDOWN_STEP_S = 60.0
+
+
+def _bounded(fn, seconds: float) -> bool:
+    """Runs fn on a daemon thread; whether it returned within `seconds` (it is left behind if not)."""
+    import threading
+    t = threading.Thread(target=fn, name=f"shutdown-{getattr(fn, '__name__', 'step')}", daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
 
 
 def cmd_make_tiny_pair(args) -> int:
