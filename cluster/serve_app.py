@@ -59,7 +59,8 @@ class PairReplica:
         self.k = cfg.k if self.engine.proposers else 0
 
     async def generate(self, request: dict):
-        """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"}).
+        """Streams {"token_ids": [...]} per round (rounds that finished while the last message was
+        on its way go in one), then {"finish_reason", "stats"} (or {"error"}).
         With request["coalesce"] (a non-streamed request without stop strings: nobody reads the
         rounds) the tokens come in the final message: one message per request, not per round."""
         from specserve.core.sampling import SamplingParams
@@ -85,10 +86,17 @@ class PairReplica:
             yield {"error": {"status": 503, "message": str(e)}}
             return
         finished = False
+        pending = None
         try:
             while True:
-                kind, item = await queue.get()
+                kind, item = pending or await queue.get()
+                pending = None
                 if kind == "tokens":
+                    while not queue.empty():  # the stream fell behind the rounds: one message for all ready
+                        pending = queue.get_nowait()
+                        if pending[0] != "tokens":
+                            break
+                        item, pending = item + pending[1], None
                     yield {"token_ids": item}
                     continue
                 finished = True

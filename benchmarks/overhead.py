@@ -1,0 +1,183 @@
+"""`specserve bench overhead`: what each layer of serving costs at batch 1, on the same prompts
+(the demo pair's held-out prompts as token ids), greedy, ignore EOS, one request at a time:
+
+- in process: `build_engine` with the drafter in the same process;
+- distributed: a `SpeculativePair` (verifier and drafter as Ray actors, drafts over gRPC);
+- served: the Serve app `specserve serve` runs (started here, on a local Ray), through the real
+  `openai` client, non-streamed and streamed.
+
+Each layer runs plain (`speculative.method = none`, k = 0) and speculative (the config's k and
+policy). Reports tokens/s per row (median of repeats) and served / in-process and served /
+distributed per mode: issue 12's "the HTTP path costs no more than 5% at batch 1".
+
+    specserve bench overhead --prompts 6 --max-tokens 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specserve.benchmarks.endpoint import write_results
+from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
+
+MODES = ("plain", "speculative")
+
+
+def _in_process(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+    from specserve.builder import build_engine
+    from specserve.core.sampling import SamplingParams
+    engine = build_engine(cfg)
+    engine.start()
+    out = {}
+    try:
+        for mode in MODES:
+            k = cfg.k if mode == "speculative" else 0
+
+            def one_pass():
+                t0, n = time.perf_counter(), 0
+                for p in prompts:
+                    n += len(_wait(engine.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True)).token_ids)
+                return n / (time.perf_counter() - t0)
+            one_pass()  # warm-up
+            out[mode] = [one_pass() for _ in range(repeats)]
+    finally:
+        engine.stop()
+    return out
+
+
+def _wait(req):
+    req.done.wait()
+    return req.result()
+
+
+def _distributed(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+    from specserve.cluster.pair import SpeculativePair
+    from specserve.core.sampling import SamplingParams
+    pair = SpeculativePair(cfg.target, cfg.drafter, pipeline=cfg.pipeline, cpus_per_actor=1, k=cfg.k,
+                           speculation=cfg.speculation)
+    out = {}
+    try:
+        import ray
+        for mode in MODES:
+            k = cfg.k if mode == "speculative" else 0
+
+            def one_pass():
+                t0, n = time.perf_counter(), 0
+                for p in prompts:
+                    n += len(ray.get(pair.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True))["token_ids"])
+                return n / (time.perf_counter() - t0)
+            one_pass()
+            out[mode] = [one_pass() for _ in range(repeats)]
+    finally:
+        pair.shutdown()
+    return out
+
+
+def _served(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+    import openai
+    from ray import serve
+
+    from specserve.benchmarks.endpoint import _free_port
+    from specserve.cluster.pair import ensure_ray
+    from specserve.cluster.serve_app import build_app
+    ensure_ray()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg.to_dict()), name="overhead", route_prefix="/")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    out = {}
+    try:
+        for mode in MODES:
+            extra = {"ignore_eos": True, **({"speculative": {"method": "none"}} if mode == "plain" else {})}
+            for stream in (False, True):
+
+                def one_pass():
+                    t0, n = time.perf_counter(), 0
+                    for p in prompts:
+                        if stream:
+                            for chunk in client.completions.create(model=cfg.model, prompt=p, max_tokens=max_tokens,
+                                                                   temperature=0, stream=True,
+                                                                   stream_options={"include_usage": True},
+                                                                   extra_body=extra):
+                                if chunk.usage is not None:
+                                    n += chunk.usage.completion_tokens
+                        else:
+                            n += client.completions.create(model=cfg.model, prompt=p, max_tokens=max_tokens,
+                                                           temperature=0, extra_body=extra).usage.completion_tokens
+                    return n / (time.perf_counter() - t0)
+                one_pass()
+                out[f"{mode}{', streamed' if stream else ''}"] = [one_pass() for _ in range(repeats)]
+    finally:
+        serve.delete("overhead")
+        serve.shutdown()
+    return out
+
+
+def bench(args) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    from specserve.core.runner import load_tokenizer
+    from specserve.training.demo_pair import heldout_prompts
+    hf_logging.disable_progress_bar()
+    import torch
+    torch.set_num_threads(1)
+    models = Path(args.models)
+    cfg = SpecServeConfig(target=str(models / "target"), drafter=str(models / "drafter"), k=args.k,
+                          max_num_seqs=1, device="cpu", dtype="float32", compile=False, speculation=args.speculation)
+    prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, load_tokenizer(cfg.target))
+    layers = {}
+    for name, fn in (("in process", _in_process), ("distributed", _distributed), ("served", _served)):
+        layers[name] = fn(cfg, prompts, args.max_tokens, args.repeats)
+        for row, runs in layers[name].items():
+            print(f"  {name}, {row}: " + ", ".join(f"{r:.1f}" for r in runs) + " tok/s", file=sys.stderr, flush=True)
+    med = {f"{layer}: {row}": statistics.median(runs) for layer, rows in layers.items() for row, runs in rows.items()}
+    ratios = {}
+    for mode in MODES:
+        for served in (mode, f"{mode}, streamed"):
+            ratios[f"served ({served}) / in process"] = med[f"served: {served}"] / med[f"in process: {mode}"]
+            ratios[f"served ({served}) / distributed"] = med[f"served: {served}"] / med[f"distributed: {mode}"]
+    return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
+                prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
+                runs={f"{layer}: {row}": runs for layer, rows in layers.items() for row, runs in rows.items()},
+                tokens_per_s=med, ratios=ratios)
+
+
+def markdown(report: dict, command: str) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Models: `{report['models']}`, k = {report['k']} (speculation: {report['speculation']}), "
+             f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, {report['max_tokens']} new tokens "
+             f"each, greedy, ignore EOS, one request at a time, median of {report['repeats']} runs after a warm-up "
+             "pass; one torch thread per model. In process: the engine with the drafter in the same process. "
+             "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client.", "",
+             "| layer: mode | tokens/s | runs |", "|---|---|---|"]
+    for row, tps in report["tokens_per_s"].items():
+        lines.append(f"| {row} | {tps:.1f} | {', '.join(f'{r:.1f}' for r in report['runs'][row])} |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {name} | {value:.2f}× |" for name, value in report["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specserve bench overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--speculation", default="fixed", choices=("fixed", "adaptive"))
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    report = bench(args)
+    write_results(args.out, report, markdown(report, ("specserve bench overhead " + shlex.join(argv)).strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
