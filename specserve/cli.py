@@ -193,12 +193,17 @@ def cmd_serve(args) -> int:
     print("shutting down (Ctrl-C again to exit at once)", flush=True)
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
+        t0 = time.monotonic()
         if not _bounded(step, SHUTDOWN_STEP_S):
             print(f"{what} did not shut down within {SHUTDOWN_STEP_S:.0f} s; its threads, for a bug report:",
                   file=sys.stderr, flush=True)
             import faulthandler
             faulthandler.dump_traceback(file=sys.stderr)
-    return 0
+        else:
+            print(f"{what} stopped in {time.monotonic() - t0:.1f} s", flush=True)
+    print("stopped", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # threads that Ray or Serve left behind must not hold the process at exit
 
 
 SHUTDOWN_STEP_S = 60.0
