@@ -185,10 +185,9 @@ def cmd_serve(args) -> int:
           f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
           f"\"temperature\": 0}}'\n", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):  # wakes twice a second, so the handlers run (they run between bytecodes)
         pass
     print("shutting down (Ctrl-C again to exit at once)", flush=True)
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
