@@ -28,26 +28,28 @@ from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 MODES = ("plain", "speculative")
 
 
+def _rates(generate_one, prompts, repeats: int) -> list[float]:
+    """tokens/s of `repeats` passes over the prompts, one request at a time, after a warm-up
+    pass; generate_one(prompt) returns the tokens written."""
+    def one_pass():
+        t0 = time.perf_counter()
+        n = sum(generate_one(p) for p in prompts)
+        return n / (time.perf_counter() - t0)
+    one_pass()
+    return [one_pass() for _ in range(repeats)]
+
+
 def _in_process(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
     from specserve.builder import build_engine
     from specserve.core.sampling import SamplingParams
     engine = build_engine(cfg)
     engine.start()
-    out = {}
     try:
-        for mode in MODES:
-            k = cfg.k if mode == "speculative" else 0
-
-            def one_pass():
-                t0, n = time.perf_counter(), 0
-                for p in prompts:
-                    n += len(_wait(engine.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True)).token_ids)
-                return n / (time.perf_counter() - t0)
-            one_pass()  # warm-up
-            out[mode] = [one_pass() for _ in range(repeats)]
+        return {mode: _rates(lambda p, k=(cfg.k if mode == "speculative" else 0): len(
+            _wait(engine.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True)).token_ids), prompts, repeats)
+            for mode in MODES}
     finally:
         engine.stop()
-    return out
 
 
 def _wait(req):
@@ -56,26 +58,18 @@ def _wait(req):
 
 
 def _distributed(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+    import ray
+
     from specserve.cluster.pair import SpeculativePair
     from specserve.core.sampling import SamplingParams
     pair = SpeculativePair(cfg.target, cfg.drafter, pipeline=cfg.pipeline, cpus_per_actor=1, k=cfg.k,
                            speculation=cfg.speculation)
-    out = {}
     try:
-        import ray
-        for mode in MODES:
-            k = cfg.k if mode == "speculative" else 0
-
-            def one_pass():
-                t0, n = time.perf_counter(), 0
-                for p in prompts:
-                    n += len(ray.get(pair.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True))["token_ids"])
-                return n / (time.perf_counter() - t0)
-            one_pass()
-            out[mode] = [one_pass() for _ in range(repeats)]
+        return {mode: _rates(lambda p, k=(cfg.k if mode == "speculative" else 0): len(
+            ray.get(pair.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True))["token_ids"]), prompts, repeats)
+            for mode in MODES}
     finally:
         pair.shutdown()
-    return out
 
 
 def _served(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
@@ -95,27 +89,26 @@ def _served(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dic
         for mode in MODES:
             extra = {"ignore_eos": True, **({"speculative": {"method": "none"}} if mode == "plain" else {})}
             for stream in (False, True):
-
-                def one_pass():
-                    t0, n = time.perf_counter(), 0
-                    for p in prompts:
-                        if stream:
-                            for chunk in client.completions.create(model=cfg.model, prompt=p, max_tokens=max_tokens,
-                                                                   temperature=0, stream=True,
-                                                                   stream_options={"include_usage": True},
-                                                                   extra_body=extra):
-                                if chunk.usage is not None:
-                                    n += chunk.usage.completion_tokens
-                        else:
-                            n += client.completions.create(model=cfg.model, prompt=p, max_tokens=max_tokens,
-                                                           temperature=0, extra_body=extra).usage.completion_tokens
-                    return n / (time.perf_counter() - t0)
-                one_pass()
-                out[f"{mode}{', streamed' if stream else ''}"] = [one_pass() for _ in range(repeats)]
+                name = f"{mode}{', streamed' if stream else ''}"
+                out[name] = _rates(lambda p, extra=extra, stream=stream: _complete(
+                    client, cfg.model, p, max_tokens, extra, stream), prompts, repeats)
     finally:
         serve.delete("overhead")
         serve.shutdown()
     return out
+
+
+def _complete(client, model: str, prompt, max_tokens: int, extra: dict, stream: bool) -> int:
+    """One completion through the openai client; the tokens it wrote."""
+    if not stream:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         extra_body=extra).usage.completion_tokens
+    n = 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}, extra_body=extra):
+        if chunk.usage is not None:
+            n += chunk.usage.completion_tokens
+    return n
 
 
 def bench(args) -> dict:
