@@ -33,7 +33,9 @@ def plain_greedy(target_path, prompt, n):
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline):
     for i, (target, drafter) in enumerate(pairs):
-        pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1)
+        # fixed k: the pipeline-hit check needs consecutive drafted rounds, which the adaptive
+        # policy does not promise on a loaded machine (output exactness is checked either way)
+        pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1, speculation="fixed")
         try:
             rng = random.Random(i)
             for _ in range(4):
