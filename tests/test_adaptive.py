@@ -178,3 +178,34 @@ def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method)
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
     assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_the_drafter_is_profiled_at_startup_for_every_batch_size():
+    """An adaptive engine times the drafter's on-demand calls at startup, through the real gRPC
+    path of a pipelined drafter: every batch size of the grid starts with a fitted M(k), every
+    timed call was a miss (nothing prepared could match it), and the profile's sequences are gone."""
+    from specserve.drafter.server import serve
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.policy import profile_drafter
+
+    server, port, servicer = serve(tiny_model("llama", V, seed=8, hidden=32, layers=1), host="127.0.0.1",
+                                   pipeline=True, max_sequences=6)
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}")
+        engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=7), slots=4), remote, eos_ids=set(),
+                                   speculation="adaptive", max_k=4)
+        fits = {b: d for (p, b), d in engine.policy.draft_costs.items() if p == "draft_model"}
+        assert sorted(fits) == [1, 2, 4]
+        for b, fit in fits.items():
+            assert 0 < fit(1) < fit(4), (b, fit(1), fit(4))  # drafting more costs more
+        assert servicer.live_sequences == 0 and remote.rounds == {}
+        assert servicer.proposer.hits == 0 and servicer.proposer.misses > 0
+        # a drafter with fewer free sequences than the engine's batch: the grid stops there
+        assert sorted(profile_drafter(remote, V, 8, 2)) == [1, 2, 4]
+        assert servicer.live_sequences == 0
+        # and the profiled engine still decodes exactly
+        target = engine.target.model
+        assert engine.generate([3, 4, 5], 24, SamplingParams(), k=4).token_ids == plain(target, [3, 4, 5], 24)
+        remote.client.close()
+    finally:
+        server.stop(0)

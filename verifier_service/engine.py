@@ -44,7 +44,8 @@ from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
 from specserve.verifier.acceptance import accept_batch
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, profile_target
+from specserve.verifier.policy import (CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, profile_drafter,
+                                       profile_target)
 
 METHODS = ("draft_model", "ngram", "none")
 
@@ -212,7 +213,7 @@ class SpeculativeEngine:
         """proposer: the drafter (in process or remote), or None; ngram: whether the n-gram
         proposer is available (the default without a drafter, the fallback while it is down);
         speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
-        for up to max_k drafts now)."""
+        for up to max_k drafts, and the drafter's on-demand calls, now)."""
         self.target = target
         self.proposer = proposer
         self.proposers: dict[str, Proposer] = {}
@@ -234,6 +235,12 @@ class SpeculativeEngine:
         self.policy = SpeculationPolicy(speculation)
         if speculation == "adaptive" and self.proposers:
             self.policy.costs = PassCosts(profile_target(target, self.max_num_seqs, max_k + 1))
+            if proposer is not None:  # the drafter's on-demand calls too: no batch size starts blind
+                try:
+                    for b, fit in profile_drafter(proposer, target.vocab_size, self.max_num_seqs, max_k).items():
+                        self.policy.draft_costs[("draft_model", b)] = fit
+                except Exception as e:  # a drafter down now is noticed (and handled) on the first round
+                    log.warning("could not profile the drafter: %s", e)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Lock()  # guards waiting, running's membership and cancel flags

@@ -21,7 +21,9 @@ sequences drafting k tokens each,
   RPC and the wait for the preparation) or drafts on demand (a "miss", costing
   M(b, k) = M0(b) + k * m(b): a fixed part, the RPC and the catch-up pass, plus a part per drafted
   token). H is an online average of all-hit calls; M is fitted to miss calls per proposer and
-  batch size (exponentially weighted least squares). A row's draft is ready when its last round
+  batch size (exponentially weighted least squares), starting from a profile of the drafter's
+  miss calls at startup (`profile_drafter`: every batch size of the grid, k = 1 and the most k)
+  that online calls soon outweigh. A row's draft is ready when its last round
   accepted every draft and the drafter's guess of the bonus token was right: probability
   A_i(k) * h, A_i(k) = prod_{l<=k} a_l * s_i and h the proposer's measured hit rate after an
   all-accepted round (0 for a proposer that does not pipeline). So
@@ -216,6 +218,43 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dic
         for slot in range(b):
             runner.release(slot)
     return grid
+
+
+def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps: int = 2) -> dict[int, DraftCosts]:
+    """Times on-demand drafting calls on a grid, so that a batch size the policy has not seen yet
+    does not start from a guess: b in powers of two up to max_batch, k in {1, max_k}. Each timed
+    call is a miss, as on the critical path: it commits two tokens the drafter did not draft
+    (nothing pipelining prepared can match) and drafts k. Runs at startup on sequences of its own
+    (released after); returns {b: M(k) fitted to its calls}, up to the largest batch the proposer
+    took (a drafter with fewer free sequences stops the grid there)."""
+    from specserve.core.proposer import CapacityError, ProposeItem
+    from specserve.core.sampling import SamplingParams
+
+    bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    prompt = [i % vocab_size for i in range(1, 9)]
+    fits: dict[int, DraftCosts] = {}
+    for b in bs:
+        ids = [f"profile-{b}-{i}" for i in range(b)]
+        try:
+            proposer.start_many([(s, prompt, SamplingParams()) for s in ids])
+        except CapacityError:
+            break
+        try:
+            costs, drafted = DraftCosts(), [[] for _ in ids]
+            for k in sorted({1, max_k}):
+                for rep in range(reps + 1):
+                    # two tokens, the first unlike the last draft's first: a miss for any outcome
+                    new = [[(d[0] + 1) % vocab_size if d else prompt[0]] * 2 for d in drafted]
+                    t0 = time.perf_counter()
+                    out = proposer.propose([ProposeItem(s, n, k) for s, n in zip(ids, new)])
+                    seconds = time.perf_counter() - t0
+                    drafted = [d.tokens for d in out]
+                    if rep:  # the first call of each k warms up
+                        costs.observe(k, seconds)
+            fits[b] = costs
+        finally:
+            proposer.release_many(ids)
+    return fits
 
 
 class SpeculationPolicy:
