@@ -87,6 +87,11 @@ class DraftModelProposer(Proposer):
         """`propose` for sequences and branches (items[i] for seqs[i]; its seq_id is not read).
         stop: checked before each drafting pass; when it returns True, the drafted positions are
         rolled back (each slot holds its `cached` tokens) and Interrupted is raised."""
+        if not any(item.k for item in items):  # catch-up only: take the tokens in, no logits wanted
+            self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)], want_logits=False)
+            for seq in seqs:
+                seq.confidence = []
+            return [Draft([], None) for _ in items]
         logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
         try:
             return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items], stop)
@@ -121,9 +126,11 @@ class DraftModelProposer(Proposer):
         self.runner.release(branch.slot)
         self.branch_free.append(branch.slot)
 
-    def _catch_up(self, updates: list[tuple[_Seq, list[int]]]) -> list[torch.Tensor]:
+    def _catch_up(self, updates: list[tuple[_Seq, list[int]]], want_logits: bool = True) -> list[torch.Tensor]:
         """Commit new tokens, roll each cache back to what agrees with them, feed the rest.
-        Returns each sequence's logits after its last committed token."""
+        Returns each sequence's logits after its last committed token. want_logits=False (nothing is
+        drafted): the last committed token is left unfed, as after Start, so a call that brings
+        nothing new runs no pass."""
         todo = []
         for seq, new_tokens in updates:
             committed_before = len(seq.tokens)
@@ -132,8 +139,11 @@ class DraftModelProposer(Proposer):
             keep = min(common_prefix_len(seq.cached, seq.tokens, start=min(committed_before, len(seq.cached))),
                        len(seq.tokens) - 1)
             self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
-            todo.append(seq.tokens[keep:])
-            seq.cached = list(seq.tokens)
+            todo.append(seq.tokens[keep:] if want_logits else seq.tokens[keep:-1])
+            seq.cached = seq.tokens[:keep] + todo[-1]
+        if not want_logits:  # only sequences with something to feed
+            fed = [i for i, t in enumerate(todo) if t]
+            updates, todo = [updates[i] for i in fed], [todo[i] for i in fed]
         # Sampled requests: one token per forward, so a cache holds the same numbers whichever path
         # led to it (on demand or pipelined): q, and so sampled output, does not depend on timing.
         # Greedy output never depends on the drafter's numbers, so greedy sequences feed all at

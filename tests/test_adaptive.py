@@ -209,3 +209,20 @@ def test_the_drafter_is_profiled_at_startup_for_every_batch_size():
         remote.client.close()
     finally:
         server.stop(0)
+
+
+def test_catch_up_calls_leave_the_drafts_as_one_call_would_give_them():
+    """Calls that draft nothing (k = 0) take committed tokens in but leave the last one unfed, so
+    one that brings nothing new runs no pass; the drafts that follow (sampled: tokens and q) are
+    the same as when every token came with the drafting call."""
+    drafter = tiny_model("llama", V, seed=8, hidden=32, layers=1)
+    a, b = DraftModelProposer(ModelRunner(drafter)), DraftModelProposer(ModelRunner(drafter))
+    params = SamplingParams(temperature=0.9, seed=3)
+    a.start("s", [1, 2, 3], params)
+    b.start("s", [1, 2, 3], params)
+    a.propose([ProposeItem("s", [4, 5], 0)])
+    passes = a.runner.seq_length(a.seqs["s"].slot)
+    a.propose([ProposeItem("s", [], 0)])
+    assert a.runner.seq_length(a.seqs["s"].slot) == passes == 4  # [1 2 3 4]: 5 waits, nothing was fed
+    got, want = a.propose([ProposeItem("s", [6], 3)])[0], b.propose([ProposeItem("s", [4, 5, 6], 3)])[0]
+    assert got.tokens == want.tokens and torch.equal(got.probs, want.probs)
