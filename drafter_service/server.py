@@ -121,6 +121,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Propose(self, request, context):
         return self._handle(context, lambda: self._propose(request))
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose over one long-lived stream: one reply per request, in order; a refused request
+        ends the stream with its status (as Propose would have answered it)."""
+        for request in request_iterator:
+            yield self._handle(context, lambda: self._propose(request))
+
     def _propose(self, request):
         if self.pipeline and self.proposer.preparing and not all(
                 self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k) for item in request.items):

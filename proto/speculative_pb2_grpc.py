@@ -44,6 +44,11 @@ class DrafterStub:
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specserve.v2.Drafter/ProposeStream',
+                request_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v2.Drafter/Release',
                 request_serializer=specserve_dot_proto_dot_speculative__pb2.ReleaseRequest.SerializeToString,
@@ -73,6 +78,16 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose on one long-lived stream per verifier connection (what the verifier uses): each
+        request written is answered by one reply, in order, so the verifier can send a round's outcome
+        and collect the drafts later, with no call set up per round. A refused request ends the
+        stream with the status Propose would have returned; the verifier opens a new stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop sequences and their KV state. Unknown ids are ignored (release is idempotent).
         """
@@ -97,6 +112,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.FromString,
+                    response_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specserve_dot_proto_dot_speculative__pb2.ProposeRequest.FromString,
                     response_serializer=specserve_dot_proto_dot_speculative__pb2.ProposeReply.SerializeToString,
             ),
@@ -163,6 +183,33 @@ class Drafter:
             request,
             target,
             '/specserve.v2.Drafter/Propose',
+            specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
+            specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specserve.v2.Drafter/ProposeStream',
             specserve_dot_proto_dot_speculative__pb2.ProposeRequest.SerializeToString,
             specserve_dot_proto_dot_speculative__pb2.ProposeReply.FromString,
             options,

@@ -4,12 +4,15 @@ import filecmp
 import os
 
 import grpc
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from specserve.training.tiny import tiny_model
 from specserve.drafter.server import serve
 from specserve.proto.codec import q_from_proto, q_to_proto
+from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, warp
 from specserve.proto import build
 from specserve.proto import speculative_pb2 as pb
@@ -159,9 +162,9 @@ def test_a_catch_up_call_is_not_waited_for_and_its_error_surfaces_on_the_next_ca
     remote = RemoteProposer(servicer.address)
     remote.start("cu", [1, 2, 3], SamplingParams())
     drafts = remote.propose([ProposeItem("cu", [4, 5, 6], 0)])
-    assert [d.tokens for d in drafts] == [[]] and remote._in_flight is not None
-    d = remote.propose([ProposeItem("cu", [7], 2)])[0]  # collects the catch-up's answer first
-    assert remote._in_flight is None and len(d.tokens) == 2
+    assert [d.tokens for d in drafts] == [[]] and len(remote._unanswered) == 1
+    d = remote.propose([ProposeItem("cu", [7], 2)])[0]  # reads the catch-up's answer first
+    assert not remote._unanswered and len(d.tokens) == 2
     assert servicer.inner.seqs["cu.0"].tokens[:7] == [1, 2, 3, 4, 5, 6, 7]  # (+ a pipelined guess)
     remote.release("cu")
     remote.rounds["gone"] = 0  # a sequence the drafter does not know: the catch-up fails there
@@ -169,3 +172,103 @@ def test_a_catch_up_call_is_not_waited_for_and_its_error_surfaces_on_the_next_ca
     with pytest.raises(DrafterUnavailable, match="NOT_FOUND"):
         remote.propose([ProposeItem("gone", [], 1)])
     remote.client.close()
+
+
+def test_the_propose_stream_sends_now_answers_later_and_a_refusal_ends_only_that_stream(stub):
+    """RemoteProposer proposes on one long-lived stream: `send` returns at once, `receive` gives
+    the drafts (the same as a unary Propose's, the drafter being greedy and deterministic); a Start
+    or Release reads the answer first; a refused request raises and the next call opens a new
+    stream on the same connection."""
+    from specserve.core.proposer import ProposeItem
+    from specserve.verifier.client import RemoteProposer
+    s, _, servicer = stub
+    remote = RemoteProposer(servicer.address)
+    remote.start("st", [1, 2, 3], SamplingParams())
+    start(s, "st-unary", (1, 2, 3))
+    streams = set()
+    for new in ([4], [5, 6], []):
+        remote.send([ProposeItem("st", new, 3)])
+        got = remote.receive()[0].tokens
+        want = list(propose(s, "st-unary", new, 3).drafts[0].tokens)
+        assert got == want and len(got) == 3
+        streams.add(id(remote.client.stream))
+    assert len(streams) == 1  # one stream for every round
+    remote.send([ProposeItem("st", [9], 2)])
+    remote.start("st2", [4, 5], SamplingParams())  # reads the Propose's answer before starting
+    assert not remote._unanswered and len(remote.receive()[0].tokens) == 2
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        remote.propose([ProposeItem("st", [V + 5], 2)])
+    assert remote.client.stream is None  # that stream ended with the refusal's status
+    assert len(remote.propose([ProposeItem("st", [7], 2)])[0].tokens) == 2  # a new one serves
+    remote.send([ProposeItem("st", [V + 6], 2)])
+    remote.start("st3", [1], SamplingParams())  # reads the refusal first; the Start itself succeeds
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        remote.receive()  # the failure stays with the Propose
+    assert len(remote.propose([ProposeItem("st3", [2], 2)])[0].tokens) == 2
+    remote.release_many(["st", "st2", "st3"])
+    s.Release(pb.ReleaseRequest(seq_ids=["st-unary"]), timeout=10)
+    remote.client.close()
+
+
+def test_a_hung_drafter_fails_the_stream_within_its_deadline(stub, monkeypatch):
+    """A request on the stream that the drafter does not answer in time (here: its model lock is
+    held) fails with DEADLINE_EXCEEDED, within the deadline plus the watchdog's period."""
+    import time
+
+    from specserve.core.proposer import ProposeItem
+    from specserve.verifier import client as client_module
+    from specserve.verifier.client import DrafterUnavailable, RemoteProposer
+    s, _, servicer = stub
+    remote = RemoteProposer(servicer.address)
+    remote.start("hung", [1, 2, 3], SamplingParams())
+    monkeypatch.setattr(client_module, "deadline", lambda method, tokens=0: 0.5)
+    with servicer.lock:  # the drafter is busy for good
+        t0 = time.monotonic()
+        with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
+            remote.propose([ProposeItem("hung", [4], 2)])
+        assert 0.5 <= time.monotonic() - t0 < 2.0
+    monkeypatch.undo()
+    remote.release("hung")
+    remote.client.close()
+
+
+def test_outcomes_sent_early_keep_greedy_and_sampled_output_exact():
+    """The engine sends each round's outcome to a remote drafter as soon as acceptance is decided
+    and takes those drafts in the next round. Greedy output equals plain decoding; a seeded sampled
+    request writes the same tokens as with the drafter in process (drafts are reproducible); and the
+    second token, often drafted early, follows the target's distribution (chi-square)."""
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+
+    target, drafter = tiny_model("llama", 8, seed=5, initializer_range=0.5), tiny_model("llama", 8, seed=6,
+                                                                                          initializer_range=0.5)
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=16)
+    try:
+        remote = SpeculativeEngine(ModelRunner(target, slots=8), RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set(),
+                                   max_waiting=2000)
+        local = SpeculativeEngine(ModelRunner(target, slots=8), DraftModelProposer(ModelRunner(drafter, slots=8)),
+                                  eos_ids=set())
+        plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+        for prompt, k in (([1, 2], 3), ([3], 1), ([4, 5, 6], 5)):
+            assert remote.generate(prompt, 30, SamplingParams(), k).token_ids == \
+                plain.generate(prompt, 30, SamplingParams(), 0).token_ids
+        assert remote.early_drafts > 0
+        for seed in range(4):
+            params = SamplingParams(temperature=1.1, seed=seed)
+            assert remote.generate([1, 2], 30, params, 3).token_ids == local.generate([1, 2], 30, params, 3).token_ids
+        early = remote.early_drafts
+        n = 1500
+        reqs = [remote.submit([1, 2], 3, SamplingParams(temperature=1.0, seed=s), k=1) for s in range(n)]
+        while not all(r.done.is_set() for r in reqs):
+            remote.step()
+        seconds = [r.result().token_ids[1] for r in reqs]
+        assert remote.early_drafts > early + n // 10
+        with torch.no_grad():  # P(x2) = sum over x1 of P(x1) P(x2 | x1)
+            p1 = torch.softmax(target(torch.tensor([[1, 2]])).logits[0, -1].double(), -1)
+            p2 = sum(p1[x] * torch.softmax(target(torch.tensor([[1, 2, x]])).logits[0, -1].double(), -1)
+                     for x in range(8)).numpy()
+        counts = np.bincount(seconds, minlength=8)
+        assert stats.chisquare(counts, n * p2 / p2.sum()).pvalue > 1e-3
+    finally:
+        server.stop(0)

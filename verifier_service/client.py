@@ -3,6 +3,12 @@
 The engine's loop does not change: `SpeculativeEngine(target, RemoteProposer(resolve))` runs the
 same draft -> verify -> accept rounds, with each draft fetched over gRPC.
 
+Proposes travel on one long-lived bidirectional stream per connection (`ProposeStream`): no call
+is set up per round, and a call can be sent now and collected later (`send`, then `receive`), so
+the engine sends a round's outcome as soon as acceptance is decided and does its bookkeeping
+while the drafter drafts. Start, Release and Info stay unary calls; before one of them every
+Propose in flight is collected (a Release never overtakes a Propose of the same sequence).
+
 Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error or a missed
 deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
 ValueError), and the engine then serves target-only and calls `mark_failed`. A background thread
@@ -14,8 +20,10 @@ reclaimed there after their TTL) never sees an id twice.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import grpc
@@ -63,14 +71,103 @@ class DrafterClient:
             raise RuntimeError(f"the drafter at {address} speaks protocol {self.info.protocol_version}, "
                                f"this verifier {PROTOCOL_VERSION}")
 
+        self.stream: ProposeStream | None = None
+
     def call(self, method: str, request, tokens: int = 0):
         return getattr(self.stub, method)(request, timeout=deadline(method, tokens))
 
-    def call_async(self, method: str, request, tokens: int = 0) -> grpc.Future:
-        return getattr(self.stub, method).future(request, timeout=deadline(method, tokens))
+    def send(self, request, tokens: int = 0) -> None:
+        """Writes a ProposeRequest on the stream (opened now if there is none)."""
+        if self.stream is None:
+            self.stream = ProposeStream(self.stub)
+        self.stream.send(request, deadline("Propose", tokens))
+
+    def receive(self):
+        """The reply to the oldest request on the stream not yet answered. An error ends the
+        stream (the next send opens another)."""
+        try:
+            return self.stream.receive()
+        except grpc.RpcError:
+            self.stream.close()
+            self.stream = None
+            raise
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         self.channel.close()
+
+
+class DeadlineExceeded(grpc.RpcError):
+    """A request on the stream was not answered within its deadline (the stream was cancelled)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return f"no answer on the Propose stream within {self.seconds:.1f} s"
+
+
+class ProposeStream:
+    """One ProposeStream call: requests are written from a queue, replies read in order. Each
+    request has a deadline (`deadline`) counted from its send; a watchdog thread, waking every
+    WATCH_S, cancels the stream once the oldest unanswered one has passed it. The stream itself
+    has no deadline: it lives as long as the connection."""
+
+    WATCH_S = 0.05
+
+    def __init__(self, stub):
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies = stub.ProposeStream(iter(self.requests.get, None))
+        self.pending: deque[tuple[float, float]] = deque()  # (send time, allowed seconds), oldest first
+        self.expired: float | None = None  # the allowance that was missed, once the watchdog cancelled
+        self.closed = threading.Event()
+        threading.Thread(target=self._watch, name="propose-stream-watchdog", daemon=True).start()
+
+    def send(self, request, seconds: float) -> None:
+        self.pending.append((time.monotonic(), seconds))
+        self.requests.put(request)
+
+    def receive(self):
+        try:
+            reply = next(self.replies)
+        except StopIteration:
+            raise DeadlineExceeded(0.0) if self.expired is not None else _Ended() from None
+        except grpc.RpcError:
+            if self.expired is not None:
+                raise DeadlineExceeded(self.expired) from None
+            raise
+        self.pending.popleft()
+        return reply
+
+    def _watch(self) -> None:
+        while not self.closed.wait(self.WATCH_S):
+            try:
+                sent, seconds = self.pending[0]
+            except IndexError:
+                continue
+            if time.monotonic() - sent > seconds:
+                self.expired = seconds
+                self.replies.cancel()
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        self.requests.put(None)
+        self.replies.cancel()
+
+
+class _Ended(grpc.RpcError):
+    """The drafter ended the stream without a status (it shut down)."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the drafter ended the Propose stream"
 
 
 class RemoteProposer(Proposer):
@@ -88,7 +185,9 @@ class RemoteProposer(Proposer):
         self._fresh: DrafterClient | None = None  # a new connection, ready to swap in
         self._reconnecting: threading.Thread | None = None
         self._backoff = 0.25
-        self._in_flight: tuple[grpc.Future, list[ProposeItem], list[int]] | None = None  # a catch-up call, unanswered
+        self._unanswered: deque[tuple[list[ProposeItem], list[int], bool]] = deque()  # (items, rounds, kept)
+        self._kept: list[Draft] | None = None  # the drafts of the last `send`, once read
+        self._lost: Exception | None = None  # a Propose's error read by a Start or Release, not yet raised
 
     def _wire_id(self, seq_id: str) -> str:
         return f"{seq_id}.{self.epoch}"
@@ -101,24 +200,38 @@ class RemoteProposer(Proposer):
             self._raise(method, e)
 
     def _settle(self) -> None:
-        """Collects the answer to the catch-up call in flight, if any, before the next call (calls
-        stay in order); its error, if any, is raised here."""
-        if self._in_flight is None:
-            return
-        future, items, rounds = self._in_flight
-        self._in_flight = None
+        """Reads the answers to every Propose in flight before a Start or Release (calls stay in
+        order: a Release never overtakes a Propose of its sequence). An error among them is kept
+        for the next Propose (`send`, `receive`) to raise: it belongs to the proposing, not to
+        this call."""
         try:
-            self._check(items, rounds, future.result())
-        except grpc.RpcError as e:
-            self._raise("Propose", e)
+            while self._unanswered:
+                self._read_one()
+        except (CapacityError, ValueError, DrafterUnavailable) as e:
+            self._lost = e
+
+    def _read_one(self) -> None:
+        items, rounds, kept = self._unanswered[0]
+        try:
+            reply = self.client.receive()
+            self._unanswered.popleft()
+            drafts = self._check(items, rounds, reply)
+        except (grpc.RpcError, DrafterUnavailable) as e:
+            self._unanswered.clear()
+            raise (self._error("Propose", e) if isinstance(e, grpc.RpcError) else e) from None
+        if kept:
+            self._kept = drafts
 
     def _raise(self, method: str, e: grpc.RpcError):
+        raise self._error(method, e) from None
+
+    def _error(self, method: str, e: grpc.RpcError) -> Exception:
         code, details = e.code(), e.details()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise CapacityError(details) from None
+            return CapacityError(details)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-            raise ValueError(details) from None
-        raise DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}") from None
+            return ValueError(details)
+        return DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}")
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.start_many([(seq_id, prompt_ids, params)])
@@ -131,25 +244,49 @@ class RemoteProposer(Proposer):
         for seq_id, _, _ in items:
             self.rounds[seq_id] = 0
 
+    answers_later = True  # `send` now, `receive` later: the engine sends a round's outcome early
+
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
-        """One Propose call. A call that only catches the drafter up (every k = 0) is sent and
-        not waited for: its answer (nothing to draft) is collected before the next call, so the
-        drafter takes the tokens in while the target works."""
-        self._settle()
+        """One Propose. A call that only catches the drafter up (every k = 0) is sent and not
+        waited for: its answer (nothing to draft) is read before the next call's, so the drafter
+        takes the tokens in while the target works."""
+        if not any(item.k for item in items):
+            self._send(items, kept=False)
+            return [Draft([], None) for _ in items]
+        self.send(items)
+        return self.receive()
+
+    def send(self, items: list[ProposeItem]) -> None:
+        """Sends a Propose without waiting for its drafts; `receive` returns them."""
+        self._kept = None
+        self._send(items, kept=True)
+
+    def receive(self) -> list[Draft]:
+        """The drafts of the last `send` (waiting for them if they are not in yet)."""
+        while self._kept is None and self._unanswered:
+            self._read_one()
+        drafts, self._kept = self._kept, None
+        if drafts is None:  # its answer was read, and failed, before: by a Start or Release
+            lost, self._lost = self._lost, None
+            raise lost or RuntimeError("receive() without a send()")
+        self._backoff = 0.25  # healthy again
+        return drafts
+
+    def _send(self, items: list[ProposeItem], kept: bool) -> None:
+        lost, self._lost = self._lost, None
+        if lost is not None:  # an earlier Propose failed (read by a Start or Release)
+            raise lost
         for item in items:
             self.rounds[item.seq_id] += 1
         request = pb.ProposeRequest(items=[pb.ProposeItem(
             seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k,
             min_confidence=item.min_confidence)
             for item in items])
-        tokens = sum(len(item.new_tokens) + item.k for item in items)
-        rounds = [self.rounds[item.seq_id] for item in items]
-        if not any(item.k for item in items):
-            self._in_flight = (self.client.call_async("Propose", request, tokens), list(items), rounds)
-            return [Draft([], None) for _ in items]
-        drafts = self._check(items, rounds, self._call("Propose", request, tokens))
-        self._backoff = 0.25  # healthy again
-        return drafts
+        try:
+            self.client.send(request, sum(len(item.new_tokens) + item.k for item in items))
+        except grpc.RpcError as e:
+            self._raise("Propose", e)
+        self._unanswered.append((list(items), [self.rounds[item.seq_id] for item in items], kept))
 
     def _check(self, items: list[ProposeItem], rounds: list[int], reply) -> list[Draft]:
         """The drafts of a reply, checked against what was asked."""
@@ -173,7 +310,8 @@ class RemoteProposer(Proposer):
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:
         self.rounds.clear()
-        self._in_flight = None
+        self._unanswered.clear()
+        self._kept = self._lost = None
         if self._reconnecting is None or not self._reconnecting.is_alive():
             delay, self._backoff = self._backoff, min(2 * self._backoff, 10.0)  # a flapping drafter waits longer
             self._reconnecting = threading.Thread(target=self._reconnect, args=(delay,), name="drafter-reconnect",
@@ -201,7 +339,8 @@ class RemoteProposer(Proposer):
             return False
         old, self.client = self.client, fresh
         old.close()
-        self._in_flight = None
+        self._unanswered.clear()
+        self._kept = self._lost = None
         self.epoch += 1
         self.reconnects += 1
         self.max_length = fresh.info.max_length

@@ -6,6 +6,7 @@
         draft up to k tokens for each                   (ONE batched call per proposer in use)
         score k+1 positions of every running sequence   (ONE batched target pass)
         accept for every sequence at once (`accept_batch`: one device -> host transfer)
+        a remote drafter is sent the outcome now, asking for the next round's drafts (`_send_early`)
         per sequence: roll its target slot back to the accepted prefix, emit, stop
         (the drafter rolls itself back on its next call, from the tokens it is told were committed)
 
@@ -231,6 +232,8 @@ class SpeculativeEngine:
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
         self.proposer_failures = 0
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
+        self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
+        self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
         if speculation == "adaptive" and self.proposers:
@@ -430,6 +433,7 @@ class SpeculativeEngine:
         self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving with {fallback}"
         log.warning("%s", self.degraded)
         self._to_release = [(p, s) for p, s in self._to_release if p != "draft_model"]  # gone, or reclaimed after its TTL
+        self._early = None
         self.proposer.mark_failed(error)
         for req in self.running:
             if req.via == "draft_model":
@@ -441,6 +445,7 @@ class SpeculativeEngine:
             return
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
+        self._early = None
         for req in self.running:
             if req.method == "draft_model" and req.via != "draft_model":
                 self._stop_drafting(req)
@@ -496,9 +501,12 @@ class SpeculativeEngine:
             [None if r.params.greedy else request_generator(r.params.seed, "verify", pos, lg.device)
              for r, pos, lg in zip(running, positions, logits)])
         t_pass = time.perf_counter() - t0
+        committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
+                     for r, d, o in zip(running, drafts, outcomes)]
+        early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
         written = 0
-        for req, draft, outcome, k, c in zip(running, drafts, outcomes, ks, chosen):
+        for req, draft, outcome, k, c, done in zip(running, drafts, outcomes, ks, chosen, committed):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
                 self._finish(req, "error")
@@ -517,10 +525,10 @@ class SpeculativeEngine:
                     self.policy.observe_ready(req.via, draft.pipeline_hit)
             if k:
                 req.previous_accepted, req.previous_k = num_accepted, k
-            emitted, stopped = truncate_at_stop(draft.tokens[:num_accepted] + [next_token], req.stop_ids)
+            emitted, stopped = done
             written += len(emitted)
             req.out += emitted
-            req.unsent += emitted
+            req.unsent = [] if req.id in early else req.unsent + emitted  # (early: already sent)
             req.pending = next_token
             req.chunks.append((time.monotonic(), len(emitted)))
             try:
@@ -535,14 +543,49 @@ class SpeculativeEngine:
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
         self.policy.observe_round(written, wall)
 
+    def _send_early(self, running: list[Request], committed: list, chosen: list[int]) -> dict[str, int]:
+        """Sends the round's outcome (its committed tokens) of every sequence that drafted on a
+        proposer that answers later (a remote drafter) and goes on, as soon as acceptance is
+        decided, asking for as many drafts as this round's k (k sticks: the policy changes it
+        rarely). The drafter drafts while this round's bookkeeping and the next round's admission
+        run; the next round takes these drafts where it wants no more of them (`_propose`).
+        Returns {sequence: k asked}."""
+        proposer = self.proposers.get("draft_model")
+        if proposer is None or not proposer.answers_later or self.degraded is not None:
+            return {}
+        items = []
+        for req, done, c in zip(running, committed, chosen):
+            if done is None or req.via != "draft_model" or not c:
+                continue
+            emitted, stopped = done
+            k = min(c, req.k, req.max_new_tokens - len(req.out) - len(emitted) - 1)
+            if not stopped and k > 0:
+                items.append(ProposeItem(req.id, req.unsent + emitted, k, self.policy.min_confidence))
+        if not items:
+            return {}
+        try:
+            proposer.send(items)
+        except Exception as e:
+            self._proposer_failed(e)
+            return {}
+        self._early = {item.seq_id: item.k for item in items}
+        return self._early
+
     def _propose(self, running: list[Request], ks: list[int]) -> tuple[list[Draft], float]:
         """One batched call per proposer in use. A drafter sequence that drafts nothing this round
         still sends its committed tokens once CATCH_UP_TOKENS have piled up (k = 0: the drafter
-        stays caught up, so speculating again costs no long catch-up)."""
+        stays caught up, so speculating again costs no long catch-up). Drafts asked for early (at
+        the end of the last round) are collected first and serve every sequence that wants at
+        most as many (a draft's first k tokens are what drafting k gives); the others are drafted
+        in the call."""
         drafts = [Draft([], None)] * len(running)
         t_draft = 0.0  # seconds in calls that drafted (catch-up-only calls count as overhead)
+        early, self._early = self._early or {}, None
+        served: set[int] = set()  # rows whose draft came early
         for name, proposer in list(self.proposers.items()):
-            rows = [i for i, r in enumerate(running) if r.via == name
+            if early and name == "draft_model":
+                t_draft += self._collect_early(proposer, early, running, ks, drafts, served)
+            rows = [i for i, r in enumerate(running) if r.via == name and i not in served
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
             if not rows:
                 continue
@@ -564,6 +607,30 @@ class SpeculativeEngine:
                 drafts[i] = draft
                 running[i].unsent = []
         return drafts, t_draft
+
+    def _collect_early(self, proposer: Proposer, early: dict[str, int], running: list[Request], ks: list[int],
+                       drafts: list[Draft], served: set[int]) -> float:
+        """Receives the drafts asked for early and puts them in the rows they serve (adding those
+        to `served`); returns the seconds waited for them."""
+        t0 = time.perf_counter()
+        try:
+            got = dict(zip(early, proposer.receive()))
+        except Exception as e:
+            self._proposer_failed(e)
+            return 0.0
+        waited = time.perf_counter() - t0
+        rows = [i for i, r in enumerate(running) if r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0)
+                and not r.unsent]
+        for i in rows:
+            d = got[running[i].id]
+            drafts[i] = Draft(d.tokens[:ks[i]], d.probs[:ks[i]] if d.probs is not None else None,
+                              pipeline_hit=d.pipeline_hit, prepared=d.prepared)
+        served.update(rows)
+        self.early_drafts += len(rows)
+        if rows:
+            self.policy.observe_draft("draft_model", len(rows), max(ks[i] for i in rows), waited,
+                                      all_ready=all(drafts[i].pipeline_hit for i in rows))
+        return waited
 
     def _finish(self, req: Request, reason: str) -> None:
         """Frees the request's slots on both sides and wakes its waiter."""
