@@ -37,7 +37,8 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "serve": "load generator on the HTTP endpoint: Poisson rates, concurrency sweeps, pairs, SLOs",
                       "ngram": "the n-gram proposer and the adaptive policy at batch 1, on edit and completion prompts",
                       "peers": "ours, vLLM and HF assisted generation on the same prompts, batch 1 and 8",
-                      "overhead": "batch 1: in process, distributed and served (openai client), plain and speculative"}
+                      "overhead": "batch 1: in process, distributed and served (openai client), plain and speculative",
+                      "rounds": "batch 1: Propose round trip (unary, stream) and the round's outcome sent early or not"}
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
