@@ -16,6 +16,7 @@ distributed per mode: issue 12's "the HTTP path costs no more than 5% at batch 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import statistics
 import sys
@@ -28,26 +29,16 @@ from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 MODES = ("plain", "speculative")
 
 
-def _rates(generate_one, prompts, repeats: int) -> list[float]:
-    """tokens/s of `repeats` passes over the prompts, one request at a time, after a warm-up
-    pass; generate_one(prompt) returns the tokens written."""
-    def one_pass():
-        t0 = time.perf_counter()
-        n = sum(generate_one(p) for p in prompts)
-        return n / (time.perf_counter() - t0)
-    one_pass()
-    return [one_pass() for _ in range(repeats)]
-
-
-def _in_process(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+@contextlib.contextmanager
+def _in_process(cfg: SpecServeConfig, max_tokens: int):
+    """{mode: generate one prompt -> tokens written} with the engine in this process."""
     from specserve.builder import build_engine
     from specserve.core.sampling import SamplingParams
     engine = build_engine(cfg)
     engine.start()
     try:
-        return {mode: _rates(lambda p, k=(cfg.k if mode == "speculative" else 0): len(
-            _wait(engine.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True)).token_ids), prompts, repeats)
-            for mode in MODES}
+        yield {mode: lambda p, k=(cfg.k if mode == "speculative" else 0): len(
+            _wait(engine.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True)).token_ids) for mode in MODES}
     finally:
         engine.stop()
 
@@ -57,7 +48,8 @@ def _wait(req):
     return req.result()
 
 
-def _distributed(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+@contextlib.contextmanager
+def _distributed(cfg: SpecServeConfig, max_tokens: int):
     import ray
 
     from specserve.cluster.pair import SpeculativePair
@@ -65,37 +57,34 @@ def _distributed(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -
     pair = SpeculativePair(cfg.target, cfg.drafter, pipeline=cfg.pipeline, cpus_per_actor=1, k=cfg.k,
                            speculation=cfg.speculation)
     try:
-        return {mode: _rates(lambda p, k=(cfg.k if mode == "speculative" else 0): len(
-            ray.get(pair.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True))["token_ids"]), prompts, repeats)
-            for mode in MODES}
+        yield {mode: lambda p, k=(cfg.k if mode == "speculative" else 0): len(
+            ray.get(pair.submit(p, max_tokens, SamplingParams(), k, ignore_eos=True))["token_ids"]) for mode in MODES}
     finally:
         pair.shutdown()
 
 
-def _served(cfg: SpecServeConfig, prompts, max_tokens: int, repeats: int) -> dict:
+@contextlib.contextmanager
+def _served(cfg: SpecServeConfig, max_tokens: int):
     import openai
     from ray import serve
 
     from specserve.benchmarks.endpoint import _free_port
-    from specserve.cluster.pair import ensure_ray
     from specserve.cluster.serve_app import build_app
-    ensure_ray()
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg.to_dict()), name="overhead", route_prefix="/")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    out = {}
     try:
+        rows = {}
         for mode in MODES:
             extra = {"ignore_eos": True, **({"speculative": {"method": "none"}} if mode == "plain" else {})}
             for stream in (False, True):
-                name = f"{mode}{', streamed' if stream else ''}"
-                out[name] = _rates(lambda p, extra=extra, stream=stream: _complete(
-                    client, cfg.model, p, max_tokens, extra, stream), prompts, repeats)
+                rows[f"{mode}{', streamed' if stream else ''}"] = lambda p, extra=extra, stream=stream: _complete(
+                    client, cfg.model, p, max_tokens, extra, stream)
+        yield rows
     finally:
         serve.delete("overhead")
         serve.shutdown()
-    return out
 
 
 def _complete(client, model: str, prompt, max_tokens: int, extra: dict, stream: bool) -> int:
@@ -123,12 +112,22 @@ def bench(args) -> dict:
     cfg = SpecServeConfig(target=str(models / "target"), drafter=str(models / "drafter"), k=args.k,
                           max_num_seqs=1, device="cpu", dtype="float32", compile=False, speculation=args.speculation)
     prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, load_tokenizer(cfg.target))
-    layers = {}
-    for name, fn in (("in process", _in_process), ("distributed", _distributed), ("served", _served)):
-        layers[name] = fn(cfg, prompts, args.max_tokens, args.repeats)
-        for row, runs in layers[name].items():
-            print(f"  {name}, {row}: " + ", ".join(f"{r:.1f}" for r in runs) + " tok/s", file=sys.stderr, flush=True)
-    med = {f"{layer}: {row}": statistics.median(runs) for layer, rows in layers.items() for row, runs in rows.items()}
+    import ray
+    if not ray.is_initialized():  # logical CPUs for two pairs at once (each actor runs one torch thread)
+        ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
+    with contextlib.ExitStack() as stack:  # every layer is up (and idle) before any is timed
+        rows = {f"{layer}: {row}": fn for layer, start in (("in process", _in_process), ("distributed", _distributed),
+                                                            ("served", _served))
+                for row, fn in stack.enter_context(start(cfg, args.max_tokens)).items()}
+        runs = {row: [] for row in rows}
+        for rep in range(args.repeats + 1):  # rows interleaved, a warm-up round first: drift hits all alike
+            for row, generate_one in rows.items():
+                t0 = time.perf_counter()
+                n = sum(generate_one(p) for p in prompts)
+                if rep:
+                    runs[row].append(n / (time.perf_counter() - t0))
+                    print(f"  {row}: {runs[row][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    med = {row: statistics.median(r) for row, r in runs.items()}
     ratios = {}
     for mode in MODES:
         for served in (mode, f"{mode}, streamed"):
@@ -136,7 +135,7 @@ def bench(args) -> dict:
             ratios[f"served ({served}) / distributed"] = med[f"served: {served}"] / med[f"distributed: {mode}"]
     return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
-                runs={f"{layer}: {row}": runs for layer, rows in layers.items() for row, runs in rows.items()},
+                runs=runs,
                 tokens_per_s=med, ratios=ratios)
 
 
@@ -145,7 +144,7 @@ def markdown(report: dict, command: str) -> str:
              f"Models: `{report['models']}`, k = {report['k']} (speculation: {report['speculation']}), "
              f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, {report['max_tokens']} new tokens "
              f"each, greedy, ignore EOS, one request at a time, median of {report['repeats']} runs after a warm-up "
-             "pass; one torch thread per model. In process: the engine with the drafter in the same process. "
+             "pass; every layer is up before any is timed, and the rows' runs are interleaved; one torch thread per model. In process: the engine with the drafter in the same process. "
              "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client.", "",
              "| layer: mode | tokens/s | runs |", "|---|---|---|"]
     for row, tps in report["tokens_per_s"].items():

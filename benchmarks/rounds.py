@@ -161,11 +161,32 @@ def markdown(report: dict, command: str) -> str:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}× | "
                      + ", ".join(f"{x:.1f}" for x in r["runs"]) + " |")
+    lines.append("")
     for mode in ("sequential", "pipelined"):
         a = rows[f"remote, {mode}, outcome sent early"]["tokens_per_s"]
         b = rows[f"remote, {mode}, outcome sent with the next call"]["tokens_per_s"]
-        lines.append(f"\n- {mode}: outcome sent early / with the next call = {a / b:.2f}×")
+        lines.append(f"- {mode}: outcome sent early / with the next call = {a / b:.2f}×")
+    lines += ["", f"![tokens/s per engine, every run]({report['png']})"]
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str) -> None:
+    """Every run's tokens/s per engine (dots) and the median (bar)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["rows"])
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for i, name in enumerate(names):
+        r = report["rows"][name]
+        ax.barh(i, r["tokens_per_s"], color="C0" if i == 0 else "C1", alpha=0.6)
+        ax.plot(r["runs"], [i] * len(r["runs"]), "k.", ms=4)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens/s (bar: median; dots: runs)", title="batch 1, demo pair: the drafter in process or remote")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -181,6 +202,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     report = bench(args)
+    report["png"] = Path(args.out).name + ".png"
+    plot(report, args.out + ".png")
     write_results(args.out, report, markdown(report, ("specserve bench rounds " + shlex.join(argv)).strip()))
     return 0
 
