@@ -1,6 +1,8 @@
 """The drafter's gRPC server: the `Drafter` service of proto/speculative.proto around one drafter
 model, with one KV cache (one proposer) per live sequence.
 
+Proposes come as unary calls or, from the verifier, on one long-lived ProposeStream per
+connection (answered in order, each request exactly as the unary call would be).
 Model work runs under one lock, so a sequence's state is never touched by two threads at once.
 With pipelining on, each Propose schedules the next round's speculative draft on a background
 thread; it runs while the verifier scores the round just answered.
@@ -208,10 +210,11 @@ def _to_host(probs: list) -> list:
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
-          max_workers: int = 8, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
+          max_workers: int = 32, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
           compile: bool = False, fanout: int = 1):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
-    address); returns (server, bound_port, servicer)."""
+    address); returns (server, bound_port, servicer). max_workers: RPC threads; each open
+    ProposeStream holds one for as long as its verifier is connected."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
                                q_dtype=q_dtype, compile=compile, fanout=fanout)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
