@@ -226,3 +226,28 @@ def test_catch_up_calls_leave_the_drafts_as_one_call_would_give_them():
     assert a.runner.seq_length(a.seqs["s"].slot) == passes == 4  # [1 2 3 4]: 5 waits, nothing was fed
     got, want = a.propose([ProposeItem("s", [6], 3)])[0], b.propose([ProposeItem("s", [4, 5, 6], 3)])[0]
     assert got.tokens == want.tokens and torch.equal(got.probs, want.probs)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.5])
+def test_calibration_follows_round_times(slowdown):
+    """The model's seconds against the measured ones calibrate it: speculative rounds that take
+    as long as modelled keep speculation on, round after round (token counts, random per round,
+    no longer enter); rounds that take 2.5x longer (contention the model does not see) turn it off."""
+    policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 1e-3 * (8 + 2 * (w - 1)) for w in (1, 5)}))
+    for k in (1, 4):
+        policy.observe_draft("draft_model", 1, k, 1e-3 * (1 + k))
+    seq = Acceptance(accepted=85.0, trials=100.0)
+    for _ in range(40):
+        policy.observe_acceptance(Acceptance(), 4, 4)
+        policy.observe_acceptance(Acceptance(), 4, 2)
+    chosen = []
+    for _ in range(200):
+        k = policy.choose([4], [seq], ["draft_model"])[0]
+        chosen.append(k)
+        if policy.predicted is not None:
+            b, spec, model_seconds = policy.predicted
+            policy.observe_round(model_seconds * (slowdown if spec else 1.0))
+    if slowdown == 1.0:
+        assert chosen.count(0) == 0 and abs(policy.calibration(1, True) - 1) < 1e-6
+    else:
+        assert chosen[-50:].count(0) >= 40  # (off; a calibration not re-measured drifts back, so it retries now and then)

@@ -505,7 +505,6 @@ class SpeculativeEngine:
                      for r, d, o in zip(running, drafts, outcomes)]
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
-        written = 0
         for req, draft, outcome, k, c, done in zip(running, drafts, outcomes, ks, chosen, committed):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
@@ -526,7 +525,6 @@ class SpeculativeEngine:
             if k:
                 req.previous_accepted, req.previous_k = num_accepted, k
             emitted, stopped = done
-            written += len(emitted)
             req.out += emitted
             req.unsent = [] if req.id in early else req.unsent + emitted  # (early: already sent)
             req.pending = next_token
@@ -541,7 +539,7 @@ class SpeculativeEngine:
                 self._finish(req, "cancelled")
         wall = time.perf_counter() - t_round
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
-        self.policy.observe_round(written, wall)
+        self.policy.observe_round(wall)
 
     def _send_early(self, running: list[Request], committed: list, chosen: list[int]) -> dict[str, int]:
         """Sends the round's outcome (its committed tokens) of every sequence that drafted on a

@@ -32,9 +32,10 @@ sequences drafting k tokens each,
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
-What the model leaves out (thread hand-offs, contention between the two actors, acceptance that
-differs from the estimate) is learnt too: each round's tokens per second, measured, over the
-model's prediction, per batch size with and without drafting, calibrates the model's rates.
+What the model leaves out (thread hand-offs, contention between the two actors, estimates that
+lag a change of load) is learnt too: the model's seconds for each round over the measured
+seconds, per batch size with and without drafting, calibrates the model's rates (times, not
+token counts: those are random per round, and acceptance has its own estimates).
 
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
@@ -301,8 +302,8 @@ class SpeculationPolicy:
         if self.mode == "fixed" or not any(limits):
             return list(limits)
         b = len(limits)
-        model = self.model_rates(limits, acceptance, proposers)
-        rates = [r * self.calibration(b, k > 0) for k, r in enumerate(model)]
+        tokens, seconds = self.model_round(limits, acceptance, proposers)
+        rates = [t / s * self.calibration(b, k > 0) for k, (t, s) in enumerate(zip(tokens, seconds))]
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
@@ -325,18 +326,23 @@ class SpeculationPolicy:
             self._last_decision[bucket] = decision
             k = max(limits)
         # a probe, or a change of k (no draft was prepared for it), is no steady-state round
-        self.predicted = None if probe or k != self.last_round_k else (b, k > 0, model[k])
+        self.predicted = None if probe or k != self.last_round_k else (b, k > 0, seconds[k])
         self.last_round_k = k
         return [min(k, lim) for lim in limits]
 
     def model_rates(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[float]:
         """The model's tokens per second of this batch for k = 0 .. max(limits) (uncalibrated)."""
+        return [t / s for t, s in zip(*self.model_round(limits, acceptance, proposers))]
+
+    def model_round(self, limits: list[int], acceptance: list[Acceptance],
+                    proposers: list[str | None]) -> tuple[list[float], list[float]]:
+        """The model's expected tokens and seconds of this batch's round for k = 0 .. max(limits)."""
         b = len(limits)
         prior = self.engine_acceptance.rate(PRIOR_ACCEPTANCE, weight=1.0)
         scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
         position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
         used = {p for p, lim in zip(proposers, limits) if lim}
-        rates = []
+        tokens_by_k, seconds_by_k = [], []
         for k in range(max(limits) + 1):
             tokens, ready = 0.0, {p: 1.0 for p in used}  # ready: P(every row of p finds its draft ready)
             for sc, lim, p in zip(scales, limits, proposers):
@@ -346,8 +352,9 @@ class SpeculationPolicy:
                     ready[p] *= all_accepted * self.hit_rate(p)
             seconds = self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[p]) for p in used) \
                 + self.overhead.get((b, k > 0), 0.0)
-            rates.append(tokens / max(seconds, 1e-9))
-        return rates
+            tokens_by_k.append(tokens)
+            seconds_by_k.append(max(seconds, 1e-9))
+        return tokens_by_k, seconds_by_k
 
     def hit_rate(self, proposer: str | None) -> float:
         """h: how often a row's draft was ready after a round that accepted all its drafts."""
@@ -359,15 +366,18 @@ class SpeculationPolicy:
         near = [(abs(bb - b), bb, c) for (bb, spec), c in self.calibrations.items() if spec == speculating]
         return min(near)[2] if near else 1.0
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
-        """What the last chosen round really wrote per second, against what the model said: the
-        model's ratio to reality (unmodelled costs: thread hand-offs, contention between the
-        actors, acceptance that differs from the estimate) is learnt per batch size, with and
-        without drafting, and multiplies the model's rates from then on."""
+    def observe_round(self, seconds: float) -> None:
+        """How long the last chosen round really took, against the model's seconds for it (the
+        target pass, drafting, the rest): the ratio (unmodelled costs: contention between the
+        actors, estimates lagging a change of load) is learnt per batch size, with and without
+        drafting, and multiplies the model's rates from then on. Times only: a round's token
+        count is random (1 to k + 1 per sequence), and calibrating on it swung the ratio enough to
+        switch speculation off for stretches at one sequence (161 of 425 rounds at k = 0 in a
+        batching run where fixed k = 4 ran 1.17x plain); acceptance has its own estimates."""
         if self.predicted is None or seconds <= 0:
             return
         b, spec, model = self.predicted
-        ratio = min(max(tokens / seconds / max(model, 1e-9), 0.05), 20.0)
+        ratio = min(max(model / seconds, 0.05), 20.0)
         for key, c in self.calibrations.items():  # the others drift back towards 1: one learnt in a
             self.calibrations[key] = 1 + (c - 1) * (1 - RELAX)  # bad spell must not keep a mode off
         old = self.calibrations.get((b, spec))
