@@ -145,8 +145,10 @@ def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int, samplin
 def init_ray(actors: int) -> None:
     """A local Ray with logical CPUs for `actors` one-CPU actors at once (each runs one torch thread)."""
     import ray
+
+    from specserve.cluster.pair import start_ray
     if not ray.is_initialized():
-        ray.init(num_cpus=actors + 2, logging_level="ERROR", log_to_driver=False)
+        start_ray(num_cpus=actors + 2)
 
 
 def bench_distributed(args) -> dict:

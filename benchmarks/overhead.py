@@ -113,8 +113,10 @@ def bench(args) -> dict:
                           max_num_seqs=1, device="cpu", dtype="float32", compile=False, speculation=args.speculation)
     prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, load_tokenizer(cfg.target))
     import ray
+
+    from specserve.cluster.pair import start_ray
     if not ray.is_initialized():  # logical CPUs for two pairs at once (each actor runs one torch thread)
-        ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
+        start_ray(num_cpus=8)
     with contextlib.ExitStack() as stack:  # every layer is up (and idle) before any is timed
         rows = {f"{layer}: {row}": fn for layer, start in (("in process", _in_process), ("distributed", _distributed),
                                                             ("served", _served))

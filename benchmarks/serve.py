@@ -439,7 +439,8 @@ def run_pairs(args, pairs: int | None, items: list[dict]) -> tuple[list[dict], d
         cfg = SpecServeConfig.from_dict({**model_paths(args)[2], **({"num_pairs": pairs} if pairs else {})})
         need = cfg.num_pairs * sum(b["CPU"] for b in cfg.bundles())
         num_cpus = args.ray_num_cpus or max(os.cpu_count() or 1, need)
-        ray.init(num_cpus=num_cpus, logging_level="ERROR", log_to_driver=False)
+        from specserve.cluster.pair import start_ray
+        start_ray(num_cpus=num_cpus)
         info.update(ray_num_cpus=num_cpus, actor_cpus_needed=need)
     ep = open_endpoint(ep_args)
     try:
