@@ -24,7 +24,9 @@ def tiny_pair_dir(tmp_path_factory):
 def ray_session():
     """One Ray instance for the whole session, with logical GPUs for placement tests."""
     import ray
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+
+    from specserve.cluster.pair import start_ray
+    start_ray(num_cpus=8, num_gpus=4, include_dashboard=False)
     yield ray
     ray.shutdown()
 

@@ -89,6 +89,16 @@ def test_sampling_reproducible_and_distributed_as_target(ray_session, small_voca
     assert stats.chisquare(counts[sup], n * p[sup] / p[sup].sum()).pvalue > 1e-3
 
 
+def test_workers_of_a_ray_specserve_starts_run_at_niceness_0(ray_session):
+    """Ray's default niceness for workers is 15 (below everything else on the machine)."""
+    import os
+
+    @ray_session.remote
+    def niceness():
+        return os.nice(0)
+    assert ray_session.get(niceness.remote()) == 0
+
+
 def test_actors_get_different_gpus(ray_session, pairs):
     pair = SpeculativePair(*pairs[0], use_gpu=True, cpus_per_actor=1)
     try:
