@@ -371,9 +371,10 @@ class SpeculationPolicy:
         target pass, drafting, the rest): the ratio (unmodelled costs: contention between the
         actors, estimates lagging a change of load) is learnt per batch size, with and without
         drafting, and multiplies the model's rates from then on. Times only: a round's token
-        count is random (1 to k + 1 per sequence), and calibrating on it swung the ratio enough to
-        switch speculation off for stretches at one sequence (161 of 425 rounds at k = 0 in a
-        batching run where fixed k = 4 ran 1.17x plain); acceptance has its own estimates."""
+        count is random (1 to k + 1 per sequence), and calibrating on it can swing the ratio enough
+        to switch speculation off for stretches at one sequence (likely what kept 161 of 425
+        rounds at k = 0 in a batching run where fixed k = 4 ran 1.17x plain); acceptance has its
+        own estimates."""
         if self.predicted is None or seconds <= 0:
             return
         b, spec, model = self.predicted
