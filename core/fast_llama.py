@@ -317,8 +317,9 @@ class FastLlama:
         how = self.gemm.plan.get((tuple(w.shape), _rows_bucket(rows)), "linear")
         if how == "transposed":  # [in, out] copy: x @ w_t
             return x @ self.gemm.transposed[w.data_ptr()]
-        if how == "swapped":  # (w @ x.T).T
-            return (w @ x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], w.shape[0])
+        if how == "swapped":  # (w @ x.T).T, made row-major again: the plan was measured on row-major
+            # inputs, and MKL is several times slower on some column-major ones (the next linear's)
+            return (w @ x.reshape(rows, -1).t()).t().contiguous().reshape(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
     def _rms(self, x, w, eps):
