@@ -272,3 +272,45 @@ def test_outcomes_sent_early_keep_greedy_and_sampled_output_exact():
         assert stats.chisquare(counts, n * p2 / p2.sum()).pvalue > 1e-3
     finally:
         server.stop(0)
+
+
+def test_waiting_for_early_drafts_counts_as_drafting_wherever_it_happens(stub):
+    """A release (or a start) after an early send waits for those drafts (the drafter answers in
+    order): that wait is the round's drafting, for the policy and in the engine's round times,
+    not the release's. Here the drafter is held busy 0.3 s while a finished request is released."""
+    import threading
+    import time
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+    _, _, servicer = stub
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=0), slots=4), RemoteProposer(servicer.address),
+                               eos_ids=set(), speculation="fixed")
+    short = engine.submit([1, 2, 3], 8, SamplingParams(), k=3)
+    long = engine.submit([4, 5, 6], 40, SamplingParams(), k=3)
+    send_early = engine._send_early
+
+    def busy_drafter_then_send(*args):
+        held = threading.Event()
+
+        def hold():
+            with servicer.lock:
+                held.set()
+                time.sleep(0.3)
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        return send_early(*args)
+    engine._send_early = busy_drafter_then_send
+    while not short.done.is_set():
+        engine.step()
+    engine._send_early = send_early
+    assert engine.times.rounds >= 2
+    waited = engine.times.seconds["early_wait"]
+    assert waited >= 0.25 and engine.times.seconds["release"] < 0.2, engine.times.to_dict()
+    engine.step()  # the round that uses those drafts: its drafting cost includes the wait
+    observed = [h for (p, b), h in engine.policy.hit_costs.items() if b == 1] + \
+        [d(3) for (p, b), d in engine.policy.draft_costs.items() if b == 1]
+    assert observed and max(observed) >= 0.25
+    while not long.done.is_set():
+        engine.step()
+    assert engine.times.rounds > 0

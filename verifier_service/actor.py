@@ -45,6 +45,10 @@ class VerifierActor:
         """The speculation policy's current costs and estimates."""
         return self.engine.policy.state()
 
+    def times(self) -> dict:
+        """Where the engine loop's time has gone so far: {"rounds", "seconds": {phase: s}}."""
+        return self.engine.times.to_dict()
+
     def cancel(self, request_id: str) -> bool:
         """Ends the request before its next round; its KV state is released on both sides."""
         return self.engine.cancel(request_id)

@@ -114,6 +114,28 @@ class SpecStats:
         return d
 
 
+PHASES = ("admit", "start", "policy", "draft", "catch_up", "early_wait", "pass", "rest", "release")
+
+
+@dataclass
+class RoundTimes:
+    """Where the loop's time goes, summed over rounds (seconds): the target's prefill of joining
+    requests ("admit"), their proposers' start calls ("start"), choosing k ("policy"), proposer
+    calls that drafted
+    ("draft"), calls that only caught a drafter up ("catch_up"), waiting for drafts asked for
+    early ("early_wait"), the target pass with the acceptance rule ("pass"), the rest of the
+    round (bookkeeping, callbacks, the early send: "rest") and batched releases ("release")."""
+
+    rounds: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "seconds": dict(self.seconds)}
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]
@@ -233,7 +255,11 @@ class SpeculativeEngine:
         self.proposer_failures = 0
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
+        self._early_got: dict[str, Draft] | None = None  # their drafts, once received
+        self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
+        self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
+        self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
         if speculation == "adaptive" and self.proposers:
@@ -402,6 +428,8 @@ class SpeculativeEngine:
             if name in self.proposers:
                 groups.setdefault(name, []).append(req)
         for name, group in groups.items():
+            if name == "draft_model":
+                self._await_early()
             try:
                 self.proposers[name].start_many([(r.id, r.prompt_ids + r.out, r.params) for r in group])
             except (CapacityError, ValueError) as e:  # some cannot be drafted for: they run target-only
@@ -433,7 +461,8 @@ class SpeculativeEngine:
         self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving with {fallback}"
         log.warning("%s", self.degraded)
         self._to_release = [(p, s) for p, s in self._to_release if p != "draft_model"]  # gone, or reclaimed after its TTL
-        self._early = None
+        self._early = self._early_got = None
+        self._early_waited = 0.0
         self.proposer.mark_failed(error)
         for req in self.running:
             if req.via == "draft_model":
@@ -445,7 +474,7 @@ class SpeculativeEngine:
             return
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
-        self._early = None
+        self._early = self._early_got = None
         for req in self.running:
             if req.method == "draft_model" and req.via != "draft_model":
                 self._stop_drafting(req)
@@ -453,13 +482,18 @@ class SpeculativeEngine:
 
     def _release_finished(self) -> None:
         """One batched release of finished sequences per proposer, outside every lock."""
+        if any(p == "draft_model" for p, _ in self._to_release):
+            self._await_early()
         todo, self._to_release = self._to_release, []
+        t0 = time.perf_counter()
         for name in {p for p, _ in todo}:
             ids = [s for p, s in todo if p == name]
             try:
                 self.proposers[name].release_many(ids)
             except Exception as e:  # their state is reclaimed on the drafter after its TTL
                 log.warning("release of %d sequences failed: %s", len(ids), e)
+        if todo:
+            self.times.add("release", time.perf_counter() - t0)
 
     PREFILL_BUDGET = 1024  # prompt tokens admitted per round while others run
 
@@ -469,6 +503,7 @@ class SpeculativeEngine:
             req.slot = min(self.free_slots)  # the lowest: a batch of slots 0..b-1 reads the KV cache as a view
             self.free_slots.remove(req.slot)
             self.running.append(req)
+        t0 = time.perf_counter()
         try:
             self.target.prefill_batch([(req.slot, req.prompt_ids[:-1]) for req in reqs])
         except Exception:  # find the request(s) at fault: one by one
@@ -481,15 +516,23 @@ class SpeculativeEngine:
         reqs = [r for r in reqs if not r.done.is_set()]
         for req in reqs:
             req.pending = req.prompt_ids[-1]
+        self.times.add("admit", time.perf_counter() - t0)
+        if any(r.k for r in reqs):
+            self._await_early()  # (a start would wait for them anyway: counted as drafting, not as the start)
+        t1 = time.perf_counter()
         self._start_drafting_many([r for r in reqs if r.k])
+        self.times.add("start", time.perf_counter() - t1)
 
     def _round(self, running: list[Request]) -> None:
         # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
+        t_choose = time.perf_counter()
         limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
         chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running],
                                     [r.fixed_k for r in running])
         t_round = time.perf_counter()
+        self.times.add("policy", t_round - t_choose)
         drafts, t_draft = self._propose(running, chosen)
+        t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]
         t0 = time.perf_counter()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
@@ -537,9 +580,15 @@ class SpeculativeEngine:
                 self._finish(req, "stop" if stopped else "length")
             elif not wanted:
                 self._finish(req, "cancelled")
-        wall = time.perf_counter() - t_round
+        # waiting for this round's drafts before it began (a release or a start needed them first)
+        # is drafting time of this round too
+        before, self._early_waited_before = self._early_waited_before, 0.0
+        wall = time.perf_counter() - t_round + before
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
         self.policy.observe_round(wall)
+        self.times.rounds += 1
+        self.times.add("pass", t_pass)
+        self.times.add("rest", wall - before - t_pass - t_propose)
 
     def _send_early(self, running: list[Request], committed: list, chosen: list[int]) -> dict[str, int]:
         """Sends the round's outcome (its committed tokens) of every sequence that drafted on a
@@ -597,6 +646,7 @@ class SpeculativeEngine:
                 self._proposer_failed(e)
                 continue
             k = max(ks[i] for i in rows)
+            self.times.add("draft" if k else "catch_up", time.perf_counter() - t0)
             if k:
                 t_draft += time.perf_counter() - t0
                 self.policy.observe_draft(name, len(rows), k, time.perf_counter() - t0,
@@ -610,13 +660,13 @@ class SpeculativeEngine:
                        drafts: list[Draft], served: set[int]) -> float:
         """Receives the drafts asked for early and puts them in the rows they serve (adding those
         to `served`); returns the seconds waited for them."""
-        t0 = time.perf_counter()
-        try:
-            got = dict(zip(early, proposer.receive()))
-        except Exception as e:
-            self._proposer_failed(e)
+        self._early = early  # (taken by `_propose`) for the wait
+        self._await_early(before_round=False)
+        got, waited = self._early_got, self._early_waited
+        self._early = self._early_got = None
+        self._early_waited = 0.0
+        if got is None:  # the drafter failed
             return 0.0
-        waited = time.perf_counter() - t0
         rows = [i for i, r in enumerate(running) if r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0)
                 and not r.unsent]
         for i in rows:
@@ -629,6 +679,27 @@ class SpeculativeEngine:
             self.policy.observe_draft("draft_model", len(rows), max(ks[i] for i in rows), waited,
                                       all_ready=all(drafts[i].pipeline_hit for i in rows))
         return waited
+
+    def _await_early(self, before_round: bool = True) -> None:
+        """Receives the drafts asked for early, if they are in flight and not received yet: the
+        first drafter call after an early send (this round's collection, or a release or start
+        before it, which the drafter would answer only after them) waits for them here, and the
+        wait counts as drafting (the policy's D, and the round's time)."""
+        if not self._early or self._early_got is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            got = dict(zip(self._early, self.proposers["draft_model"].receive()))
+        except Exception as e:
+            self._proposer_failed(e)
+            return
+        finally:
+            waited = time.perf_counter() - t0
+            self.times.add("early_wait", waited)
+            if before_round:
+                self._early_waited_before += waited
+        self._early_got = got
+        self._early_waited += waited
 
     def _finish(self, req: Request, reason: str) -> None:
         """Frees the request's slots on both sides and wakes its waiter."""
