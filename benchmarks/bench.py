@@ -255,11 +255,17 @@ def bench_batching(args) -> dict:
             runs = {mode: [] for mode in modes}
             itl = {mode: [] for mode in modes}
             by_k = {mode: Counter() for mode in modes}
+            phases = {mode: Counter() for mode in modes}  # the engine loop's seconds by phase, and rounds
             for _ in range(args.repeats):
                 for mode, (_, k, _) in modes.items():
+                    before = ray.get(pairs[mode].verifier.times.remote())
                     t0 = time.perf_counter()
                     outs = closed_loop(pairs[mode], prompts, c, max(c, args.min_requests), args.max_tokens, k)
                     elapsed = time.perf_counter() - t0
+                    after = ray.get(pairs[mode].verifier.times.remote())
+                    phases[mode].update({p: after["seconds"][p] - before["seconds"][p] for p in after["seconds"]})
+                    phases[mode]["rounds"] += after["rounds"] - before["rounds"]
+                    phases[mode]["wall"] += elapsed
                     runs[mode].append(sum(len(o["token_ids"]) for o in outs) / elapsed)
                     for o in outs:
                         by_k[mode].update(dict(enumerate(o["stats"]["rounds_by_k"])))
@@ -274,7 +280,10 @@ def bench_batching(args) -> dict:
                                      itl_p99_ms=percentile(itl[mode], 0.99) * 1e3,
                                      rounds_by_k=[by_k[mode][i] for i in range(args.k + 1)],
                                      mean_chosen_k=sum(i * n for i, n in by_k[mode].items())
-                                     / max(sum(by_k[mode].values()), 1))
+                                     / max(sum(by_k[mode].values()), 1),
+                                     rounds=phases[mode]["rounds"],
+                                     ms_per_round={p: 1e3 * v / max(phases[mode]["rounds"], 1)
+                                                   for p, v in phases[mode].items() if p != "rounds"})
                 if policy == "adaptive":  # what the policy believed at the end of this level
                     rows[mode][c]["policy"] = ray.get(pairs[mode].verifier.policy.remote())
                 print(f"  {mode} @ {c}: {rows[mode][c]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -339,6 +348,19 @@ def markdown_batching(report: dict, command: str) -> str:
                      f"| {a['tokens_per_s']:.1f} ({a['tokens_per_s'] / p['tokens_per_s']:.2f}×) | {a['mean_chosen_k']:.2f} "
                      f"| {p['itl_p50_ms']:.1f} / {p['itl_p99_ms']:.1f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} "
                      f"| {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} |")
+    from specserve.verifier.engine import PHASES
+    if "ms_per_round" in rows["plain"][report["concurrency"][0]]:
+        lines += ["", "Where a round's time goes (the engine loop's ms per round, summed over the level's runs; "
+                  "`wall`: the client's time over rounds, so wall minus the phases is the loop idle or between "
+                  "rounds; see `RoundTimes` in verifier_service/engine.py):", "",
+                  "| concurrency | row | rounds | " + " | ".join(PHASES) + " | wall |",
+                  "|---|---|---|" + "---|" * (len(PHASES) + 1)]
+        for c in report["concurrency"]:
+            for m in rows:
+                r = rows[m][c]
+                lines.append(f"| {c} | {m} | {r['rounds']} | "
+                             + " | ".join(f"{r['ms_per_round'].get(ph, 0.0):.2f}" for ph in PHASES)
+                             + f" | {r['ms_per_round']['wall']:.2f} |")
     stop = report["speculation_stops_paying_at"]
     lines += ["", f"- fixed-k speculation stops paying at concurrency: "
               f"{stop if stop is not None else 'not within the range measured'}",
