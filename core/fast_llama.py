@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -94,7 +95,8 @@ class GemmPlan:
     shape, dtype, thread count and CPU model), so a restarted process measures nothing."""
 
     _plans: dict[str, dict] = {}
-    REPEATS = 3
+    REPEATS = 7
+    VERSION = 2  # of the measurement (2: layouts interleaved, medians): plans stored by an older one are redone
 
     def __init__(self, weights: list[torch.Tensor], store: str | None = None):
         by_shape: dict[tuple, list[torch.Tensor]] = {}
@@ -103,7 +105,7 @@ class GemmPlan:
         self.plan: dict[tuple, str] = {}
         stored = self._load(store)
         for (shape, dtype), ws in by_shape.items():
-            key = f"{'x'.join(map(str, shape))}|{dtype}|{torch.get_num_threads()}|{_cpu_model()}"
+            key = f"{'x'.join(map(str, shape))}|{dtype}|{torch.get_num_threads()}|{_cpu_model()}|v{self.VERSION}"
             if key not in self._plans:
                 if key in stored:
                     self._plans[key] = {int(rows): how for rows, how in stored[key].items()}
@@ -138,22 +140,23 @@ class GemmPlan:
     @classmethod
     @torch.inference_mode()
     def _measure(cls, ws: list[torch.Tensor]) -> dict[int, str]:
+        """For each row bucket, the layout with the smallest median time over the model's weights
+        of this shape; the layouts alternate within each repeat, so a slow spell of the machine
+        hits all of them alike."""
         wts = [w.t().contiguous() for w in ws]
         ways = {"linear": lambda x, i: F.linear(x, ws[i]), "transposed": lambda x, i: x @ wts[i],
-                "swapped": lambda x, i: (ws[i] @ x.t()).t()}
+                "swapped": lambda x, i: (ws[i] @ x.t()).t().contiguous()}
         out = {}
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
-            best = {}
-            for name, fn in ways.items():
-                times = []
-                for _ in range(cls.REPEATS):
+            times: dict[str, list[float]] = {name: [] for name in ways}
+            for _ in range(cls.REPEATS):
+                for name, fn in ways.items():
                     t0 = time.perf_counter()
                     for i in range(len(ws)):
                         fn(x, i)
-                    times.append(time.perf_counter() - t0)
-                best[name] = min(times)
-            out[rows] = min(best, key=best.get)
+                    times[name].append(time.perf_counter() - t0)
+            out[rows] = min(times, key=lambda name: statistics.median(times[name]))
         return out
 
 
