@@ -7,6 +7,11 @@ Model work runs under one lock, so a sequence's state is never touched by two th
 With pipelining on, each Propose schedules the next round's speculative draft on a background
 thread; it runs while the verifier scores the round just answered.
 
+A Release is answered at once and applied by whoever holds the lock next, or now if nobody does
+(`_drain_releases`): it never waits for a preparation (or a Propose) to end. The verifier sends
+it between rounds, so before, every round that released a finished sequence waited for the
+drafter's preparation of all the others (23.5 ms per round at 32 sequences in the batching bench).
+
 A sequence whose verifier went away without a Release (a verifier crash, a lost network) is
 reclaimed once it has had no call for `seq_ttl_s`. The server binds to one address (the node's,
 from the actor) and refuses messages over MAX_MESSAGE_BYTES.
@@ -14,6 +19,7 @@ from the actor) and refuses messages over MAX_MESSAGE_BYTES.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent import futures
@@ -66,13 +72,39 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.last_call: dict[str, float] = {}  # monotonic time of each sequence's last Start / Propose
         self.reclaimed = 0
         self.lock = threading.Lock()  # all model work and sequence state, one thread at a time
+        self.to_release: set[str] = set()  # released, not applied yet (see `_locked`)
+        self.release_lock = threading.Lock()  # guards to_release only
         self.background = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculate")
 
     @property
     def live_sequences(self) -> int:
-        return len(self.inner.seqs)
+        """Sequences held, not counting released ones not applied yet."""
+        return len(self.inner.seqs) - len(self.to_release & self.inner.seqs.keys())
 
     # -- helpers ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self):
+        """The model lock, with pending releases applied first (and after: any that came in meanwhile)."""
+        with self.lock:
+            self._apply_releases()
+            yield
+        self._drain_releases()
+
+    def _apply_releases(self) -> None:
+        """Under the model lock."""
+        with self.release_lock:
+            ids, self.to_release = self.to_release, set()
+        for seq_id in ids:
+            self._release(seq_id)
+
+    def _drain_releases(self) -> None:
+        """Applies pending releases now unless the lock is held (its holder applies them when done)."""
+        while self.to_release and self.lock.acquire(blocking=False):
+            try:
+                self._apply_releases()
+            finally:
+                self.lock.release()
+
     def _check_tokens(self, tokens, what: str) -> list[int]:
         tokens = list(tokens)
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -109,7 +141,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"prompt of {len(prompt)} tokens exceeds the "
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
-        with self.lock:
+        with self._locked():
             self._reclaim_idle()
             if self.live_sequences + len(items) > self.max_sequences:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -133,7 +165,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if self.pipeline and self.proposer.preparing and not all(
                 self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k) for item in request.items):
             self.proposer.interrupt.set()  # drafting on demand follows: stop preparing guesses that lost
-        with self.lock:
+        with self._locked():
             if self.pipeline:
                 self.proposer.interrupt.clear()
             items = []
@@ -167,15 +199,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             for item, req, d, q in zip(items, request.items, drafts, qs)])
 
     def _speculate(self, versions: dict[str, int]) -> None:
-        with self.lock:
+        with self._locked():
             # skip sequences released since, or whose verifier already came back: nothing to hide
             self.proposer.speculate([s for s, v in versions.items() if self.versions.get(s) == v])
 
     def Release(self, request, context):
-        with self.lock:
-            for seq_id in request.seq_ids:
-                self._release(seq_id)
-            return pb.ReleaseReply(live_sequences=self.live_sequences)
+        """Answered at once: applied now if the lock is free, else by its holder when it is done."""
+        with self.release_lock:
+            self.to_release.update(request.seq_ids)
+        self._drain_releases()
+        return pb.ReleaseReply(live_sequences=self.live_sequences)
 
     def _release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
@@ -190,7 +223,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.reclaimed += 1
 
     def Info(self, request, context):
-        with self.lock:
+        with self._locked():
             return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length,
                                 live_sequences=self.live_sequences, pipeline=self.pipeline,
                                 pipeline_hits=getattr(self.proposer, "hits", 0),

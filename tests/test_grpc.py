@@ -314,3 +314,31 @@ def test_waiting_for_early_drafts_counts_as_drafting_wherever_it_happens(stub):
     while not long.done.is_set():
         engine.step()
     assert engine.times.rounds > 0
+
+
+def test_a_release_never_waits_for_the_drafters_lock(stub):
+    """Release is answered at once even while the model lock is held (a preparation running):
+    the sequence counts as released now, and its slot is freed by the lock's next holder."""
+    import threading
+    import time
+
+    s, _, servicer = stub
+    start(s, "to-go")
+    assert "to-go" in servicer.inner.seqs
+    held, done = threading.Event(), threading.Event()
+
+    def busy():
+        with servicer.lock:
+            held.set()
+            done.wait(5)
+    threading.Thread(target=busy, daemon=True).start()
+    held.wait()
+    live = servicer.live_sequences
+    t0 = time.monotonic()
+    reply = s.Release(pb.ReleaseRequest(seq_ids=["to-go"]), timeout=10)
+    assert time.monotonic() - t0 < 1.0
+    assert reply.live_sequences == live - 1 == servicer.live_sequences
+    assert "to-go" in servicer.inner.seqs  # not applied yet: the lock is held
+    done.set()
+    s.Info(pb.InfoRequest(), timeout=10)  # the lock's next holder applies it
+    assert "to-go" not in servicer.inner.seqs and not servicer.to_release
