@@ -64,6 +64,10 @@ class Proposer:
     # later (a remote drafter): the engine then sends a round's outcome as soon as acceptance is
     # decided, so the drafter drafts while the verifier does the round's bookkeeping
     answers_later: bool = False
+    # True for a proposer that drafts each sequence's next round while this one is verified
+    # (pipelining: a remote drafter started with it); the policy then expects some drafts ready
+    # from the start (`policy.PRIOR_READY`), before it has measured how many
+    prepares: bool = False
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         raise NotImplementedError

@@ -251,3 +251,27 @@ def test_calibration_follows_round_times(slowdown):
         assert chosen.count(0) == 0 and abs(policy.calibration(1, True) - 1) < 1e-6
     else:
         assert chosen[-50:].count(0) >= 40  # (off; a calibration not re-measured drifts back, so it retries now and then)
+
+
+def test_a_drafter_that_prepares_drafts_is_expected_to_have_some_ready_before_any_is_measured():
+    """A fresh engine has the drafter's profiled on-demand cost but no measured hit rate. With a
+    drafter that pipelines, the policy starts from PRIOR_READY (weighing one round) instead of 0:
+    here drafting on demand costs more than a target pass, so only ready drafts make it pay."""
+    from specserve.verifier.policy import PRIOR_READY
+
+    def fresh(prepares):
+        policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 1e-2 * (1 + 0.1 * (w - 1)) for w in (1, 5)}))
+        for k in (1, 4):
+            policy.observe_draft("draft_model", 1, k, 5e-3 + 1e-2 * k)
+        policy.observe_draft("draft_model", 1, 4, 1e-3, all_ready=True)
+        if prepares:
+            policy.prepared.add("draft_model")
+        return policy
+    seq = Acceptance(accepted=99.0, trials=100.0)
+    blind, told = fresh(False), fresh(True)
+    assert blind.hit_rate("draft_model") == 0.0 and told.hit_rate("draft_model") == PRIOR_READY
+    assert blind.choose([4], [seq], ["draft_model"]) == [0]
+    assert told.choose([4], [seq], ["draft_model"])[0] > 0
+    for _ in range(30):  # measured misses soon outweigh the prior
+        told.observe_ready("draft_model", False)
+    assert told.hit_rate("draft_model") < 0.05

@@ -246,6 +246,11 @@ class RemoteProposer(Proposer):
 
     answers_later = True  # `send` now, `receive` later: the engine sends a round's outcome early
 
+    @property
+    def prepares(self) -> bool:
+        """Whether the drafter pipelines (it says so in Info)."""
+        return bool(self.client.info.pipeline)
+
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         """One Propose. A call that only catches the drafter up (every k = 0) is sent and not
         waited for: its answer (nothing to draft) is read before the next call's, so the drafter

@@ -262,6 +262,8 @@ class SpeculativeEngine:
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
+        if proposer is not None and proposer.prepares:
+            self.policy.prepared.add("draft_model")
         if speculation == "adaptive" and self.proposers:
             self.policy.costs = PassCosts(profile_target(target, self.max_num_seqs, max_k + 1))
             if proposer is not None:  # the drafter's on-demand calls too: no batch size starts blind

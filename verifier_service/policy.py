@@ -26,7 +26,8 @@ sequences drafting k tokens each,
   that online calls soon outweigh. A row's draft is ready when its last round
   accepted every draft and the drafter's guess of the bonus token was right: probability
   A_i(k) * h, A_i(k) = prod_{l<=k} a_l * s_i and h the proposer's measured hit rate after an
-  all-accepted round (0 for a proposer that does not pipeline). So
+  all-accepted round (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
+  before any is measured for one that does, so a fresh server does not start at k = 0). So
   D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
   batches and short k, which is where pipelining pays;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
@@ -77,6 +78,7 @@ PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request
 MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
 PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
+PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before any is measured (weight 1)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -269,6 +271,7 @@ class SpeculationPolicy:
         self.draft_costs: dict[tuple[str, int], DraftCosts] = {}  # (proposer, b) -> M(k), calls that drafted
         self.hit_costs: dict[tuple[str, int], float] = {}  # (proposer, b) -> H, calls whose drafts were all ready
         self.hit_rates: dict[str, Acceptance] = {}  # proposer -> hits after all-accepted rounds (h)
+        self.prepared: set[str] = set()  # proposers that prepare drafts (h starts at PRIOR_READY, not 0)
         self.overhead: dict[tuple[int, bool], float] = {}  # (b, speculating) -> seconds per round, O
         self.engine_acceptance = Acceptance()
         self.positions = PositionalAcceptance()
@@ -358,8 +361,9 @@ class SpeculationPolicy:
 
     def hit_rate(self, proposer: str | None) -> float:
         """h: how often a row's draft was ready after a round that accepted all its drafts."""
+        prior = PRIOR_READY if proposer in self.prepared else 0.0
         counts = self.hit_rates.get(proposer)
-        return counts.rate(0.0, weight=1.0) if counts is not None else 0.0
+        return counts.rate(prior, weight=1.0) if counts is not None else prior
 
     def calibration(self, b: int, speculating: bool) -> float:
         """Measured / modelled rate of past rounds like these (nearest batch size; 1 before any)."""
