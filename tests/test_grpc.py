@@ -342,3 +342,23 @@ def test_a_release_never_waits_for_the_drafters_lock(stub):
     done.set()
     s.Info(pb.InfoRequest(), timeout=10)  # the lock's next holder applies it
     assert "to-go" not in servicer.inner.seqs and not servicer.to_release
+
+
+def test_a_send_not_received_is_dropped_by_the_next_one(stub):
+    """The engine does not wait for early drafts nobody takes (k went to 0 or up): the client then
+    reads and drops them before the next call's answer, so `receive` returns that call's drafts."""
+    from specserve.core.proposer import ProposeItem
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.verifier.client import RemoteProposer
+    _, _, servicer = stub
+    remote = RemoteProposer(servicer.address)
+    local = DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=0)))
+    for p in (remote, local):
+        p.start("drop", [1, 2, 3], SamplingParams().with_seed())
+    remote.send([ProposeItem("drop", [4], 2)])  # never received
+    local.propose([ProposeItem("drop", [4], 2)])
+    remote.send([ProposeItem("drop", [5, 6], 3)])
+    assert remote.receive()[0].tokens == local.propose([ProposeItem("drop", [5, 6], 3)])[0].tokens
+    assert not remote._unanswered
+    remote.release("drop")
+    remote.client.close()

@@ -262,8 +262,10 @@ class RemoteProposer(Proposer):
         return self.receive()
 
     def send(self, items: list[ProposeItem]) -> None:
-        """Sends a Propose without waiting for its drafts; `receive` returns them."""
+        """Sends a Propose without waiting for its drafts; `receive` returns them. The drafts of an
+        earlier `send` not received yet are dropped (read, and their errors raised, in order)."""
         self._kept = None
+        self._unanswered = deque((items, rounds, False) for items, rounds, _ in self._unanswered)
         self._send(items, kept=True)
 
     def receive(self) -> list[Draft]:

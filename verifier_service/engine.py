@@ -663,6 +663,13 @@ class SpeculativeEngine:
         """Receives the drafts asked for early and puts them in the rows they serve (adding those
         to `served`); returns the seconds waited for them."""
         self._early = early  # (taken by `_propose`) for the wait
+        if self._early_got is None and not any(
+                r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0) and not r.unsent for i, r in enumerate(running)):
+            # nobody takes them (k went to 0, or up): not waited for; the client drops them when
+            # it reads them, before the answer to its next call
+            self._early = None
+            self._early_waited = 0.0
+            return 0.0
         self._await_early(before_round=False)
         got, waited = self._early_got, self._early_waited
         self._early = self._early_got = None
