@@ -274,10 +274,11 @@ def test_outcomes_sent_early_keep_greedy_and_sampled_output_exact():
         server.stop(0)
 
 
-def test_waiting_for_early_drafts_counts_as_drafting_wherever_it_happens(stub):
-    """A release (or a start) after an early send waits for those drafts (the drafter answers in
-    order): that wait is the round's drafting, for the policy and in the engine's round times,
-    not the release's. Here the drafter is held busy 0.3 s while a finished request is released."""
+def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_drafting(stub):
+    """A finished sequence is released right after the round, while the early send of the others
+    is in flight: the release waits for neither those drafts nor the drafter's lock, and the wait
+    for the drafts (in the next round) is that round's drafting, for the policy and in the
+    engine's round times. Here the drafter is held busy 0.3 s from the early send on."""
     import threading
     import time
 

@@ -6,8 +6,9 @@ same draft -> verify -> accept rounds, with each draft fetched over gRPC.
 Proposes travel on one long-lived bidirectional stream per connection (`ProposeStream`): no call
 is set up per round, and a call can be sent now and collected later (`send`, then `receive`), so
 the engine sends a round's outcome as soon as acceptance is decided and does its bookkeeping
-while the drafter drafts. Start, Release and Info stay unary calls; before one of them every
-Propose in flight is collected (a Release never overtakes a Propose of the same sequence).
+while the drafter drafts. Start, Release and Info stay unary calls; before a Start or Info every
+Propose in flight is collected, before a Release those carrying a released sequence (a Release
+never overtakes a Propose of the same sequence).
 
 Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error or a missed
 deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
@@ -310,9 +311,18 @@ class RemoteProposer(Proposer):
         self.release_many([seq_id])
 
     def release_many(self, seq_ids: list[str]) -> None:
+        """One Release call. It waits for the Proposes in flight only if one of them carries a
+        released sequence (a Release never overtakes a Propose of its sequence); the drafter
+        answers a Release at once, so the engine's releases between rounds cost one round trip."""
         known = [s for s in seq_ids if self.rounds.pop(s, None) is not None]
-        if known:
-            self._call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
+        if not known:
+            return
+        if not {item.seq_id for items, _, _ in self._unanswered for item in items}.isdisjoint(known):
+            self._settle()
+        try:
+            self.client.call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
+        except grpc.RpcError as e:
+            self._raise("Release", e)
 
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:

@@ -484,8 +484,6 @@ class SpeculativeEngine:
 
     def _release_finished(self) -> None:
         """One batched release of finished sequences per proposer, outside every lock."""
-        if any(p == "draft_model" for p, _ in self._to_release):
-            self._await_early()
         todo, self._to_release = self._to_release, []
         t0 = time.perf_counter()
         for name in {p for p, _ in todo}:
