@@ -65,6 +65,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 POLICIES = ("adaptive", "fixed")
@@ -72,7 +73,9 @@ MIN_CONFIDENCE = 0.0  # adaptive: stop a draft before a position whose top q is 
 HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of the engine-wide acceptance rate in a sequence's estimate
-EMA = 0.2  # weight of a new measured pass time
+EMA = 0.1  # weight of a new measured pass time (and call, and round overhead)
+DRAFT_EMA = 0.05  # in M(k)'s fit, each new call weighs this much (the slope needs calls at several k)
+CAL_DECAY = 0.95  # calibration: per round, of the summed model and measured seconds
 RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
 MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
@@ -146,13 +149,13 @@ def round_outcome(position_rates: list[float], scale: float, k: int) -> tuple[fl
 class DraftCosts:
     """M(k) = M0 + k * m for one proposer at one batch size (calls that drafted on demand): least
     squares over the calls seen, older calls weighing less (each new one multiplies the old sums
-    by 1 - EMA)."""
+    by 1 - DRAFT_EMA)."""
 
     def __init__(self):
         self.n = self.sk = self.skk = self.st = self.skt = 0.0
 
     def observe(self, k: int, seconds: float) -> None:
-        f = 1 - EMA
+        f = 1 - DRAFT_EMA
         self.n, self.sk, self.skk = f * self.n + 1, f * self.sk + k, f * self.skk + k * k
         self.st, self.skt = f * self.st + seconds, f * self.skt + k * seconds
 
@@ -284,7 +287,11 @@ class SpeculationPolicy:
         self.probes = 0
         self._last_decision: dict[int, tuple[bool, int]] = {}  # bucket -> (on, k) at its last probe
         self.calibrations: dict[tuple[int, bool], float] = {}  # (b, speculating) -> measured / modelled rate
+        self.cal_sums: dict[tuple[int, bool], list[float]] = {}  # (b, speculating) -> [model s, measured s], decaying
         self.predicted: tuple[int, bool, float] | None = None  # the last choice's (b, speculating, model rate)
+        # the last choices, for operators and benchmarks: (b, k, calibrated tokens/s at k = 0 and at
+        # the best k > 0, probe)
+        self.recent: deque[tuple[int, int, float, float, bool]] = deque(maxlen=32)
 
     # ------------------------------------------------------------------ choosing
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
@@ -328,6 +335,7 @@ class SpeculationPolicy:
             self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
             self._last_decision[bucket] = decision
             k = max(limits)
+        self.recent.append((b, k, round(rates[0], 1), round(rates[best], 1), probe))
         # a probe, or a change of k (no draft was prepared for it), is no steady-state round
         self.predicted = None if probe or k != self.last_round_k else (b, k > 0, seconds[k])
         self.last_round_k = k
@@ -382,11 +390,14 @@ class SpeculationPolicy:
         if self.predicted is None or seconds <= 0:
             return
         b, spec, model = self.predicted
-        ratio = min(max(model / seconds, 0.05), 20.0)
-        for key, c in self.calibrations.items():  # the others drift back towards 1: one learnt in a
-            self.calibrations[key] = 1 + (c - 1) * (1 - RELAX)  # bad spell must not keep a mode off
-        old = self.calibrations.get((b, spec))
-        self.calibrations[(b, spec)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+        for key, sums in self.cal_sums.items():  # the others drift back towards 1: one learnt in a
+            sums[1] += RELAX * (sums[0] - sums[1])  # bad spell must not keep a mode off
+        sums = self.cal_sums.setdefault((b, spec), [0.0, 0.0])
+        # a ratio of (decaying) sums, not an average of per-round ratios: round times are bimodal
+        # with pipelining (a ready draft or not), and averaged ratios swung 0.9-2.0 in a few rounds
+        sums[0] = CAL_DECAY * sums[0] + model
+        sums[1] = CAL_DECAY * sums[1] + seconds
+        self.calibrations = {key: min(max(m / s, 0.05), 20.0) for key, (m, s) in self.cal_sums.items()}
         self.predicted = None
 
     def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0) -> float:
@@ -414,6 +425,7 @@ class SpeculationPolicy:
                 "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
                 "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
                 "probes": self.probes,
+                "recent_choices_b_k_rate0_ratebest_probe": list(self.recent),
                 "calibration": {f"{b}{'+spec' if spec else ''}": round(c, 3)
                                 for (b, spec), c in sorted(self.calibrations.items())},
                 "round_overhead_ms": {f"{b}{'+spec' if spec else ''}": round(t * 1e3, 3)
