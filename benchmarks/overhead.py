@@ -8,7 +8,9 @@
 
 Each layer runs plain (`speculative.method = none`, k = 0) and speculative (the config's k and
 policy). Reports tokens/s per row (median of repeats) and served / in-process and served /
-distributed per mode: issue 12's "the HTTP path costs no more than 5% at batch 1".
+distributed per mode: issue 12's "the HTTP path costs no more than 5% at batch 1". With
+--vllm-python, vLLM's draft-model speculation (1 and 2 threads) runs as rows too, interleaved
+with ours, and the ratios include ours / vLLM's best.
 
     specserve bench overhead --prompts 6 --max-tokens 64 --repeats 3
 """
@@ -121,6 +123,8 @@ def bench(args) -> dict:
         rows = {f"{layer}: {row}": fn for layer, start in (("in process", _in_process), ("distributed", _distributed),
                                                             ("served", _served))
                 for row, fn in stack.enter_context(start(cfg, args.max_tokens)).items()}
+        if args.vllm_python:  # the peer's engines stay loaded too, and run in the same alternation
+            rows.update(stack.enter_context(_vllm(args, prompts)))
         runs = {row: [] for row in rows}
         for rep in range(args.repeats + 1):  # rows interleaved, a warm-up round first: drift hits all alike
             for row, generate_one in rows.items():
@@ -130,30 +134,41 @@ def bench(args) -> dict:
                     runs[row].append(n / (time.perf_counter() - t0))
                     print(f"  {row}: {runs[row][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     med = {row: statistics.median(r) for row, r in runs.items()}
-    peer = _vllm(args, prompts) if args.vllm_python else None
+    peer = {row: med[row] for row in med if row.startswith("vLLM")}
     ratios = {}
     for mode in MODES:
         for served in (mode, f"{mode}, streamed"):
             ratios[f"served ({served}) / in process"] = med[f"served: {served}"] / med[f"in process: {mode}"]
             ratios[f"served ({served}) / distributed"] = med[f"served: {served}"] / med[f"distributed: {mode}"]
+    if peer:
+        best = max(peer, key=peer.get)
+        for row in ("in process: speculative", "served: speculative", "served: speculative, streamed"):
+            ratios[f"{row.replace(': ', ' (', 1)}) / {best} (vLLM's best)"] = med[row] / peer[best]
     return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
                 runs=runs, vllm=peer,
                 tokens_per_s=med, ratios=ratios)
 
 
-def _vllm(args, prompts) -> dict:
-    """vLLM's draft-model speculation on the same prompts (its own venv, a child process; after
-    our rows, so not interleaved with them), with 1 and 2 threads: the best is the peer."""
-    from specserve.benchmarks.vllm_peer import run_peer
-    out = {}
-    for threads in (1, 2):
-        r = run_peer(args.vllm_python, Path(args.models), prompts, "draft", threads=threads, k=args.k,
-                     max_tokens=args.max_tokens, repeats=args.repeats)
-        out[f"{threads} thread{'s' if threads > 1 else ''}"] = (
-            {"error": r["error"][-500:]} if "error" in r else
-            {"tokens_per_s": r["tokens_per_s"], "runs": r["runs_tokens_per_s"], "version": r.get("vllm_version")})
-    return out
+@contextlib.contextmanager
+def _vllm(args, prompts):
+    """vLLM's draft-model speculation on the same prompts, with 1 and 2 threads: each engine is
+    loaded (and compiled) once in a child process of its venv and kept alive, so its runs
+    alternate with our rows'. A peer that fails to start is reported and left out."""
+    from specserve.benchmarks.vllm_peer import PeerProcess
+    peers = {}
+    try:
+        for threads in (1, 2):
+            name = f"vLLM: draft model, {threads} thread{'s' if threads > 1 else ''}"
+            try:
+                peers[name] = PeerProcess(args.vllm_python, Path(args.models), prompts, "draft", threads=threads,
+                                          k=args.k, max_tokens=args.max_tokens)
+            except Exception as e:
+                print(f"  {name} did not start: {e}", file=sys.stderr, flush=True)
+        yield {name: peer.generate for name, peer in peers.items()}
+    finally:
+        for peer in peers.values():
+            peer.close()
 
 
 def markdown(report: dict, command: str) -> str:
@@ -168,19 +183,10 @@ def markdown(report: dict, command: str) -> str:
         lines.append(f"| {row} | {tps:.1f} | {', '.join(f'{r:.1f}' for r in report['runs'][row])} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {name} | {value:.2f}× |" for name, value in report["ratios"].items()]
-    peer = report.get("vllm")
-    if peer:
-        ok = {name: r for name, r in peer.items() if "tokens_per_s" in r}
-        lines += ["", "vLLM's draft-model speculation on the same prompts (k = {}, batch 1, run after our rows: "
-                  "not interleaved with them):".format(report["k"]), "", "| vLLM | tokens/s | runs |", "|---|---|---|"]
-        for name, r in peer.items():
-            lines.append(f"| draft model, {name} | " + (f"{r['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs'])} |"
-                                                         if "tokens_per_s" in r else f"failed | {r['error'][-200:]} |"))
-        if ok:
-            best = max(ok, key=lambda n: ok[n]["tokens_per_s"])
-            for row in ("served: speculative", "served: speculative, streamed"):
-                lines.append(f"\n- {row} / vLLM's best ({best}) = "
-                             f"{report['tokens_per_s'][row] / ok[best]['tokens_per_s']:.2f}×")
+    if report.get("vllm"):
+        lines += ["", "vLLM rows: its draft-model speculation (k = {}), each engine loaded once in a child process of "
+                  "its own venv and kept alive, its runs in the same alternation as ours (OMP_NUM_THREADS and "
+                  "VLLM_CPU_OMP_THREADS_BIND set to the thread count).".format(report["k"])]
     return "\n".join(lines) + "\n"
 
 

