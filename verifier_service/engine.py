@@ -580,9 +580,12 @@ class SpeculativeEngine:
                 self._finish(req, "stop" if stopped else "length")
             elif not wanted:
                 self._finish(req, "cancelled")
-        # waiting for this round's drafts before it began (a release or a start needed them first)
+        # waiting for this round's drafts before it began (a start of new sequences needed them first)
         # is drafting time of this round too
         before, self._early_waited_before = self._early_waited_before, 0.0
+        if not max(chosen):  # drafts asked for by the round before and not used: a sunk cost, not
+            t_draft -= before  # this round's (k = 0 must not look dearer for it)
+            before = 0.0
         wall = time.perf_counter() - t_round + before
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
         self.policy.observe_round(wall)
