@@ -274,13 +274,26 @@ def test_outcomes_sent_early_keep_greedy_and_sampled_output_exact():
         server.stop(0)
 
 
+def hold_model_lock(servicer, until, seconds: float) -> None:
+    """Returns once a background thread holds the drafter's model lock (the drafter is busy, as
+    while it prepares drafts); the thread lets go when `until` is set or after `seconds`."""
+    import threading
+    held = threading.Event()
+
+    def hold():
+        with servicer.lock:
+            held.set()
+            until.wait(seconds)
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+
+
 def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_drafting(stub):
     """A finished sequence is released right after the round, while the early send of the others
     is in flight: the release waits for neither those drafts nor the drafter's lock, and the wait
     for the drafts (in the next round) is that round's drafting, for the policy and in the
     engine's round times. Here the drafter is held busy 0.3 s from the early send on."""
     import threading
-    import time
 
     from specserve.verifier.client import RemoteProposer
     from specserve.verifier.engine import SpeculativeEngine
@@ -292,14 +305,7 @@ def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_draft
     send_early = engine._send_early
 
     def busy_drafter_then_send(*args):
-        held = threading.Event()
-
-        def hold():
-            with servicer.lock:
-                held.set()
-                time.sleep(0.3)
-        threading.Thread(target=hold, daemon=True).start()
-        held.wait()
+        hold_model_lock(servicer, threading.Event(), 0.3)
         return send_early(*args)
     engine._send_early = busy_drafter_then_send
     while not short.done.is_set():
@@ -326,14 +332,8 @@ def test_a_release_never_waits_for_the_drafters_lock(stub):
     s, _, servicer = stub
     start(s, "to-go")
     assert "to-go" in servicer.inner.seqs
-    held, done = threading.Event(), threading.Event()
-
-    def busy():
-        with servicer.lock:
-            held.set()
-            done.wait(5)
-    threading.Thread(target=busy, daemon=True).start()
-    held.wait()
+    done = threading.Event()
+    hold_model_lock(servicer, done, 5.0)
     live = servicer.live_sequences
     t0 = time.monotonic()
     reply = s.Release(pb.ReleaseRequest(seq_ids=["to-go"]), timeout=10)
