@@ -9,6 +9,9 @@
         a remote drafter is sent the outcome now, asking for the next round's drafts (`_send_early`)
         per sequence: roll its target slot back to the accepted prefix, emit, stop
         (the drafter rolls itself back on its next call, from the tokens it is told were committed)
+        release finished sequences (one batched call per proposer; it waits for nothing)
+
+`RoundTimes` (`engine.times`) sums where the loop's time goes by phase; `bench batching` reports it.
 
 A target slot always holds every committed token but the last ("pending") one, so a round scores
 [pending, d_1 .. d_k] and gets the k+1 distributions it needs. Sequences join and leave between
