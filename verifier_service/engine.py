@@ -695,9 +695,9 @@ class SpeculativeEngine:
 
     def _await_early(self, before_round: bool = True) -> None:
         """Receives the drafts asked for early, if they are in flight and not received yet: the
-        first drafter call after an early send (this round's collection, or a release or start
-        before it, which the drafter would answer only after them) waits for them here, and the
-        wait counts as drafting (the policy's D, and the round's time)."""
+        first drafter call after an early send (this round's collection, or a start of new
+        sequences before it, which the drafter would answer only after them) waits for them
+        here, and the wait counts as drafting (the policy's D, and the round's time)."""
         if not self._early or self._early_got is not None:
             return
         t0 = time.perf_counter()
