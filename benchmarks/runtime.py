@@ -185,7 +185,11 @@ def report_of(args, prompts, our_rows, vllm_rows, command) -> tuple[dict, str]:
               "- Load + compile/warm-up: ours is `build_engine` (plain / speculative engine), which compiles and "
               "warms the forward when compiled; vLLM's is `LLM(...)` construction, its compile included. RSS: "
               "ours is the bench process after the row; vLLM's is its process tree after the run (plain / draft).",
-              "- `compile: auto` compiles on a GPU only; the compiled rows here are what decided that for the CPU."]
+              "- The rows run one after another (each side's engine is built, measured, dropped), not "
+              "interleaved: this machine drifts ±20% over minutes, so ratios here carry that drift.",
+              "- Our speculative rows use the config's default policy (adaptive)."]
+    if any(r.get("compiled") for r in our_rows):
+        lines.append("- `compile: auto` compiles on a GPU only; the compiled rows here are what decided that for the CPU.")
     return report, "\n".join(lines) + "\n"
 
 

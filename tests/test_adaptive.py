@@ -107,6 +107,9 @@ def test_adaptive_greedy_equals_plain_for_both_proposers(case):
     engine = SpeculativeEngine(ModelRunner(target, slots=4), DraftModelProposer(ModelRunner(drafter, slots=4)),
                                eos_ids=set(), ngram=True, speculation="adaptive", max_k=6)
     engine.policy.min_confidence = 0.03 * (case % 2)  # confidence cuts on odd cases (random models are unsure)
+    # this test is about exactness while k varies, with both proposers drafting: the startup profile
+    # of the drafter (tiny models, so its timings are mostly noise) is dropped, as if none had run
+    engine.policy.draft_costs.clear()
     prompts = [REPEATING, [3, 4, 5], REPEATING[::2], [7] * 6]
     want = [plain(target, p, 40) for p in prompts]
     reqs = [engine.submit(p, 40, SamplingParams(), k=6, method=m)
@@ -275,3 +278,14 @@ def test_a_drafter_that_prepares_drafts_is_expected_to_have_some_ready_before_an
     for _ in range(30):  # measured misses soon outweigh the prior
         told.observe_ready("draft_model", False)
     assert told.hit_rate("draft_model") < 0.05
+
+
+def test_an_in_process_drafter_is_profiled_at_startup_too():
+    """The in-process drafter refuses sequences without a seed; the profile gives its own, so
+    an in-process adaptive engine starts with M(k) at every batch size of the grid as well."""
+    drafter = DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=8, hidden=32, layers=1), slots=4))
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=7), slots=4), drafter, eos_ids=set(),
+                               speculation="adaptive", max_k=4)
+    fits = {b: d for (p, b), d in engine.policy.draft_costs.items() if p == "draft_model"}
+    assert sorted(fits) == [1, 2, 4] and all(fit(4) > 0 for fit in fits.values())
+    assert drafter.seqs == {}

@@ -242,7 +242,7 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
     for b in bs:
         ids = [f"profile-{b}-{i}" for i in range(b)]
         try:
-            proposer.start_many([(s, prompt, SamplingParams()) for s in ids])
+            proposer.start_many([(s, prompt, SamplingParams().with_seed()) for s in ids])
         except CapacityError:
             break
         try:
