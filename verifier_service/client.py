@@ -193,8 +193,9 @@ class RemoteProposer(Proposer):
     def _wire_id(self, seq_id: str) -> str:
         return f"{seq_id}.{self.epoch}"
 
-    def _call(self, method: str, request, tokens: int = 0):
-        self._settle()
+    def _call(self, method: str, request, tokens: int = 0, settle: bool = True):
+        if settle:
+            self._settle()
         try:
             return self.client.call(method, request, tokens)
         except grpc.RpcError as e:
@@ -317,12 +318,9 @@ class RemoteProposer(Proposer):
         known = [s for s in seq_ids if self.rounds.pop(s, None) is not None]
         if not known:
             return
-        if not {item.seq_id for items, _, _ in self._unanswered for item in items}.isdisjoint(known):
-            self._settle()
-        try:
-            self.client.call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
-        except grpc.RpcError as e:
-            self._raise("Release", e)
+        in_flight = {item.seq_id for items, _, _ in self._unanswered for item in items}
+        self._call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]),
+                   settle=not in_flight.isdisjoint(known))
 
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:

@@ -433,8 +433,6 @@ class SpeculativeEngine:
             if name in self.proposers:
                 groups.setdefault(name, []).append(req)
         for name, group in groups.items():
-            if name == "draft_model":
-                self._await_early()
             try:
                 self.proposers[name].start_many([(r.id, r.prompt_ids + r.out, r.params) for r in group])
             except (CapacityError, ValueError) as e:  # some cannot be drafted for: they run target-only
@@ -633,11 +631,10 @@ class SpeculativeEngine:
         in the call."""
         drafts = [Draft([], None)] * len(running)
         t_draft = 0.0  # seconds in calls that drafted (catch-up-only calls count as overhead)
-        early, self._early = self._early or {}, None
         served: set[int] = set()  # rows whose draft came early
         for name, proposer in list(self.proposers.items()):
-            if early and name == "draft_model":
-                t_draft += self._collect_early(proposer, early, running, ks, drafts, served)
+            if self._early and name == "draft_model":
+                t_draft += self._collect_early(running, ks, drafts, served)
             rows = [i for i, r in enumerate(running) if r.via == name and i not in served
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
             if not rows:
@@ -662,26 +659,20 @@ class SpeculativeEngine:
                 running[i].unsent = []
         return drafts, t_draft
 
-    def _collect_early(self, proposer: Proposer, early: dict[str, int], running: list[Request], ks: list[int],
-                       drafts: list[Draft], served: set[int]) -> float:
-        """Receives the drafts asked for early and puts them in the rows they serve (adding those
-        to `served`); returns the seconds waited for them."""
-        self._early = early  # (taken by `_propose`) for the wait
-        if self._early_got is None and not any(
-                r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0) and not r.unsent for i, r in enumerate(running)):
-            # nobody takes them (k went to 0, or up): not waited for; the client drops them when
-            # it reads them, before the answer to its next call
-            self._early = None
-            self._early_waited = 0.0
-            return 0.0
-        self._await_early(before_round=False)
+    def _collect_early(self, running: list[Request], ks: list[int], drafts: list[Draft], served: set[int]) -> float:
+        """Puts the drafts asked for early into the rows they serve (adding those to `served`),
+        waiting for them only if a row takes them (k went to 0, or up: the client drops them when
+        it reads them, before the answer to its next call); returns the seconds waited for them."""
+        early = self._early
+        rows = [i for i, r in enumerate(running) if r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0)
+                and not r.unsent]
+        if rows:
+            self._await_early(before_round=False)
         got, waited = self._early_got, self._early_waited
         self._early = self._early_got = None
         self._early_waited = 0.0
-        if got is None:  # the drafter failed
-            return 0.0
-        rows = [i for i, r in enumerate(running) if r.via == "draft_model" and 0 < ks[i] <= early.get(r.id, 0)
-                and not r.unsent]
+        if got is None:  # not waited for, or the drafter failed
+            return waited
         for i in rows:
             d = got[running[i].id]
             drafts[i] = Draft(d.tokens[:ks[i]], d.probs[:ks[i]] if d.probs is not None else None,

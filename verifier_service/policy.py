@@ -286,7 +286,6 @@ class SpeculationPolicy:
         self.probe_backoff: dict[int, int] = {}  # batch-size bucket -> doublings of its probe interval
         self.probes = 0
         self._last_decision: dict[int, tuple[bool, int]] = {}  # bucket -> (on, k) at its last probe
-        self.calibrations: dict[tuple[int, bool], float] = {}  # (b, speculating) -> measured / modelled rate
         self.cal_sums: dict[tuple[int, bool], list[float]] = {}  # (b, speculating) -> [model s, measured s], decaying
         self.predicted: tuple[int, bool, float] | None = None  # the last choice's (b, speculating, model rate)
         # the last choices, for operators and benchmarks: (b, k, calibrated tokens/s at k = 0 and at
@@ -373,10 +372,18 @@ class SpeculationPolicy:
         counts = self.hit_rates.get(proposer)
         return counts.rate(prior, weight=1.0) if counts is not None else prior
 
+    @property
+    def calibrations(self) -> dict[tuple[int, bool], float]:
+        """(b, speculating) -> measured / modelled rate: modelled over measured round seconds."""
+        return {key: min(max(m / s, 0.05), 20.0) for key, (m, s) in self.cal_sums.items()}
+
     def calibration(self, b: int, speculating: bool) -> float:
         """Measured / modelled rate of past rounds like these (nearest batch size; 1 before any)."""
-        near = [(abs(bb - b), bb, c) for (bb, spec), c in self.calibrations.items() if spec == speculating]
-        return min(near)[2] if near else 1.0
+        near = [(abs(bb - b), bb) for bb, spec in self.cal_sums if spec == speculating]
+        if not near:
+            return 1.0
+        m, s = self.cal_sums[(min(near)[1], speculating)]
+        return min(max(m / s, 0.05), 20.0)
 
     def observe_round(self, seconds: float) -> None:
         """How long the last chosen round really took, against the model's seconds for it (the
@@ -397,7 +404,6 @@ class SpeculationPolicy:
         # with pipelining (a ready draft or not), and averaged ratios swung 0.9-2.0 in a few rounds
         sums[0] = CAL_DECAY * sums[0] + model
         sums[1] = CAL_DECAY * sums[1] + seconds
-        self.calibrations = {key: min(max(m / s, 0.05), 20.0) for key, (m, s) in self.cal_sums.items()}
         self.predicted = None
 
     def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0) -> float:
