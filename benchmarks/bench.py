@@ -238,8 +238,8 @@ def bench_batching(args) -> dict:
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = heldout_prompts(model_dir, max(max(levels), args.min_requests), args.prompt_tokens,
-                              load_tokenizer(target_path))
+    per_run = {c: max(args.waves * c, args.min_requests) for c in levels}  # requests per run of a level
+    prompts = heldout_prompts(model_dir, max(per_run.values()), args.prompt_tokens, load_tokenizer(target_path))
     modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
              "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive")}
     init_ray(2 * len(modes))
@@ -256,11 +256,12 @@ def bench_batching(args) -> dict:
             itl = {mode: [] for mode in modes}
             by_k = {mode: Counter() for mode in modes}
             phases = {mode: Counter() for mode in modes}  # the engine loop's seconds by phase, and rounds
+            seq_rounds = Counter()  # sequence-rounds per row (over its engine rounds: the mean batch)
             for _ in range(args.repeats):
                 for mode, (_, k, _) in modes.items():
                     before = ray.get(pairs[mode].verifier.times.remote())
                     t0 = time.perf_counter()
-                    outs = closed_loop(pairs[mode], prompts, c, max(c, args.min_requests), args.max_tokens, k)
+                    outs = closed_loop(pairs[mode], prompts, c, per_run[c], args.max_tokens, k)
                     elapsed = time.perf_counter() - t0
                     after = ray.get(pairs[mode].verifier.times.remote())
                     phases[mode].update({p: after["seconds"][p] - before["seconds"][p] for p in after["seconds"]})
@@ -269,6 +270,7 @@ def bench_batching(args) -> dict:
                     runs[mode].append(sum(len(o["token_ids"]) for o in outs) / elapsed)
                     for o in outs:
                         by_k[mode].update(dict(enumerate(o["stats"]["rounds_by_k"])))
+                        seq_rounds[mode] += o["stats"]["num_rounds"]
                         last = None
                         for t, n in o["chunks"]:
                             if last is not None:
@@ -282,6 +284,8 @@ def bench_batching(args) -> dict:
                                      mean_chosen_k=sum(i * n for i, n in by_k[mode].items())
                                      / max(sum(by_k[mode].values()), 1),
                                      rounds=phases[mode]["rounds"],
+                                     requests_per_run=per_run[c],
+                                     mean_batch=seq_rounds[mode] / max(phases[mode]["rounds"], 1),
                                      ms_per_round={p: 1e3 * v / max(phases[mode]["rounds"], 1)
                                                    for p, v in phases[mode].items() if p != "rounds"})
                 if policy == "adaptive":  # what the policy believed at the end of this level
@@ -298,7 +302,7 @@ def bench_batching(args) -> dict:
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     return dict(models=str(model_dir), k=args.k, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                repeats=args.repeats, min_requests=args.min_requests, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
+                repeats=args.repeats, min_requests=args.min_requests, waves=args.waves, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
                 adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()))
 
 
@@ -330,8 +334,9 @@ def markdown_batching(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
              f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
-             f"runs; each run of a level is max(concurrency, {report.get('min_requests', 0)}) requests, concurrency "
-             "of them in flight (closed loop), after one full-length warm-up request per row; one verifier and "
+             f"runs; each run of a level is max({report.get('waves', 1)} × concurrency, {report.get('min_requests', 0)}) "
+             "requests, concurrency of them in flight (closed loop: a finished one is replaced at once), after one "
+             "full-length warm-up request per row; one verifier and "
              "one drafter actor per row, 1 torch thread each; every row's pair is up before any is timed, and at "
              "each level the rows' runs are interleaved.", "",
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
@@ -353,12 +358,13 @@ def markdown_batching(report: dict, command: str) -> str:
         lines += ["", "Where a round's time goes (the engine loop's ms per round, summed over the level's runs; "
                   "`wall`: the client's time over rounds, so wall minus the phases is the loop idle or between "
                   "rounds; see `RoundTimes` in verifier_service/engine.py):", "",
-                  "| concurrency | row | rounds | " + " | ".join(PHASES) + " | wall |",
-                  "|---|---|---|" + "---|" * (len(PHASES) + 1)]
+                  "| concurrency | row | rounds | mean batch | " + " | ".join(PHASES) + " | wall |",
+                  "|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
         for c in report["concurrency"]:
             for m in rows:
                 r = rows[m][c]
-                lines.append(f"| {c} | {m} | {r['rounds']} | "
+                batch = f"{r['mean_batch']:.1f}" if "mean_batch" in r else "–"
+                lines.append(f"| {c} | {m} | {r['rounds']} | {batch} | "
                              + " | ".join(f"{r['ms_per_round'].get(ph, 0.0):.2f}" for ph in PHASES)
                              + f" | {r['ms_per_round']['wall']:.2f} |")
     stop = report["speculation_stops_paying_at"]
@@ -431,6 +437,9 @@ def main(argv=None) -> int:
     d.add_argument("--fanout", default="2,3", help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", default="1,2,4,8,16,32")
+    b.add_argument("--waves", type=int, default=4,
+                   help="requests per level and run: this many times the concurrency (one wave ends in a drain "
+                        "that plain decoding of equal-length requests never has: see docs/benchmarks/README.md)")
     b.add_argument("--min-requests", type=int, default=8,
                    help="requests per level and run at least (closed loop: a finished one is replaced at once)")
     b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")

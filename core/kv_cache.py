@@ -87,6 +87,20 @@ class SlotKVCache:
         self.lengths[parent] = end
         self.reset(slot)
 
+    def move(self, src: int, dst: int) -> None:
+        """Moves a sequence from slot `src` to the free slot `dst` (its positions are copied once),
+        so the engine can keep its running sequences in slots 0..b-1, which attention reads as a
+        view instead of gathering every slot's K/V in every pass. Branches cannot move."""
+        if self.lengths[dst] or dst in self.parents or src in self.parents or src == dst \
+                or any(p == src for p, _ in self.parents.values()):
+            raise ValueError(f"cannot move slot {src} to slot {dst}")
+        end = self.lengths[src]
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[dst, :, :end] = buf[src, :, :end]
+        self.lengths[dst] = end
+        self.reset(src)
+
     def rollback(self, n: int, slot: int = 0) -> None:
         """Forgets the last n positions of a slot: only its length moves."""
         self.lengths[slot] -= n

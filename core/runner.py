@@ -264,6 +264,15 @@ class ModelRunner:
         elif n:
             self.caches[slot].crop(-n)
 
+    def move(self, src: int, dst: int) -> None:
+        """Moves the sequence in slot `src` to the free slot `dst` (same numbers, new slot)."""
+        if self.started[dst] or not self.started[src]:
+            raise ValueError(f"{self.name}: cannot move slot {src} to slot {dst}")
+        if self.fast is not None:
+            self.fast.cache.move(src, dst)
+        self.caches[dst], self.caches[src] = self.caches[src], None
+        self.started[dst], self.started[src] = True, False
+
     def release(self, slot: int = 0) -> None:
         self.caches[slot] = None
         self.started[slot] = False

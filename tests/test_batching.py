@@ -54,8 +54,15 @@ def test_mixed_batch_greedy_equals_solo_plain(seed):
                                                                    top_p=rng.choice([0.8, 1.0]),
                                                                    top_k=rng.choice([0, 10]), seed=i)
         reqs.append((prompt, n, sampling, eng.submit(prompt, n, sampling, k)))
+    moved = 0
     while any(not r.done.is_set() for *_, r in reqs):
+        slots = {r: r.slot for r in eng.running}
         eng.step()
+        # the running sequences sit in slots 0..b-1 (attention reads them as a view): ragged
+        # finishes leave holes, which the sequences above them move into
+        assert sorted(r.slot for r in eng.running) == list(range(len(eng.running)))
+        moved += sum(r.slot != slots[r] for r in eng.running if r in slots)
+    assert moved  # (requests of 5..40 tokens finish raggedly)
     near_ties = []
     for prompt, n, sampling, r in reqs:
         result = r.result()

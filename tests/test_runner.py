@@ -126,3 +126,25 @@ def test_a_branch_reads_its_parents_prefix_and_adopting_it_moves_only_its_new_po
     runner.adopt(0, 2)
     assert runner.seq_length(0) == 7 and runner.seq_length(2) == 0 and not runner.started[2]
     assert torch.allclose(runner.score([4], slot=0), alone.score([4]), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_moving_a_sequence_to_another_slot_keeps_its_numbers(arch):
+    """move: the engine keeps its running sequences in slots 0..b-1; a moved sequence continues
+    exactly as it would have in its old slot (the lean forward's cache and the HF path)."""
+    model = tiny_model(arch, 64, seed=4)
+    runner = ModelRunner(model, slots=3)
+    prompt = [5, 6, 7, 8, 9, 10]
+    runner.prefill(prompt, slot=2)
+    runner.score([11, 12], slot=2)
+    runner.rollback(1, slot=2)
+    alone = ModelRunner(model)
+    alone.prefill(prompt + [11])
+    with pytest.raises(ValueError):
+        runner.move(1, 0)  # nothing in slot 1
+    runner.move(2, 0)
+    assert runner.seq_length(0) == 7 and runner.seq_length(2) == 0 and not runner.started[2]
+    assert torch.allclose(runner.score([3, 4], slot=0), alone.score([3, 4]), atol=1e-5)
+    runner.prefill([1, 2], slot=1)
+    with pytest.raises(ValueError):
+        runner.move(0, 1)  # slot 1 is in use
