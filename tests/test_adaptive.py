@@ -289,3 +289,28 @@ def test_an_in_process_drafter_is_profiled_at_startup_too():
     fits = {b: d for (p, b), d in engine.policy.draft_costs.items() if p == "draft_model"}
     assert sorted(fits) == [1, 2, 4] and all(fit(4) > 0 for fit in fits.values())
     assert drafter.seqs == {}
+
+
+def test_plain_rounds_right_after_drafting_ones_do_not_calibrate_or_time_plain_passes():
+    """The drafter's leftover work (drafts asked for early, its preparation) runs beside the plain
+    rounds that follow a drafting one: their slower pass is a cost of speculating, so it must not
+    make plain decoding look slower (in runs it calibrated plain rounds at 0.53-0.93)."""
+    policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 1e-3 * (8 + 2 * (w - 1)) for w in (1, 5)}))
+    seq = Acceptance(accepted=90.0, trials=100.0)
+    for k in (1, 4):
+        policy.observe_draft("draft_model", 1, k, 1e-4 * k)  # drafting is cheap: on
+    assert [policy.choose([4], [seq], ["draft_model"])[0] for _ in range(3)] == [4, 4, 4]
+    for _ in range(40):
+        for k in (1, 4):
+            policy.observe_draft("draft_model", 1, k, 0.2 * k)  # now dear: off
+    calibrates, timed = [], []
+    for _ in range(5):
+        assert policy.choose([4], [seq], ["draft_model"])[0] == 0
+        calibrates.append(policy.predicted is not None)
+        before = policy.costs(1, 1)
+        policy.observe_pass(1, 1, 30e-3)  # slowed by the drafter's leftover work
+        timed.append(policy.costs(1, 1) != before)
+    assert calibrates == [False, False, True, True, True]  # the first: k changed; the second: settling
+    assert timed == [False, False, True, True, True]
+    policy.choose([0], [seq], ["draft_model"])  # nobody may draft: a plain round, it counts as one
+    assert policy.since_drafted == 6
