@@ -363,3 +363,42 @@ def test_a_send_not_received_is_dropped_by_the_next_one(stub):
     assert not remote._unanswered
     remote.release("drop")
     remote.client.close()
+
+
+def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculation_is_off():
+    """With speculation off, a remote drafter's Start of joining sequences runs beside the round's
+    target pass (they would not draft in it anyway): greedy output stays plain decoding's, the
+    drafter is caught up on them, and a Start the drafter refuses (full) falls back one by one,
+    the refused sequence running without the drafter, the engine not degraded."""
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+    from specserve.verifier.policy import CATCH_UP_TOKENS, PassCosts
+
+    target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+    for capacity in (8, 1):
+        # (not pipelined: a pipelining drafter counts the outcomes it assumes as committed)
+        server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, max_sequences=capacity)
+        try:
+            engine = SpeculativeEngine(ModelRunner(target, slots=4), RemoteProposer(f"127.0.0.1:{port}"),
+                                       eos_ids=set(), speculation="adaptive", max_k=4)
+            engine.policy.costs = PassCosts({(b, w): 1e-3 * w for b in (1, 4) for w in (1, 5)})
+            for b in range(1, 5):
+                engine.policy.observe_draft("draft_model", b, 1, 10.0)  # drafting looks hopeless
+            engine.policy.on = False
+            prompts = [[1 + i, 2, 3] for i in range(3)]
+            reqs = [engine.submit(p, 60, SamplingParams(), k=4) for p in prompts]
+            engine.step()
+            assert engine.deferred_starts == (3 if capacity == 8 else 0)
+            assert sum(r.drafting for r in reqs) == min(3, capacity) and engine.degraded is None
+            while not all(r.done.is_set() for r in reqs):
+                for r in reqs:
+                    if r.drafting and not r.done.is_set():
+                        behind = len(r.prompt_ids) + len(r.out) - servicer.proposer.committed_length(f"{r.id}.0")
+                        assert 0 <= behind <= 2 * CATCH_UP_TOKENS + 1  # (a catch-up is not waited for)
+                engine.step()
+            for p, r in zip(prompts, reqs):
+                assert r.result().token_ids == plain.generate(p, 60, SamplingParams(), 0).token_ids
+            assert engine.degraded is None and engine.proposer_failures == 0
+        finally:
+            server.stop(0)

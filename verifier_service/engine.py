@@ -263,6 +263,10 @@ class SpeculativeEngine:
         self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
+        # a remote drafter's Start of new sequences running on a helper thread while the round's
+        # target pass runs (speculation off: nobody drafts now): (thread, requests, outcome)
+        self._starting: tuple[threading.Thread, list[Request], dict] | None = None
+        self.deferred_starts = 0  # sequences started that way
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
@@ -397,6 +401,7 @@ class SpeculativeEngine:
                     not admit or not self.running or tokens + len(self.waiting[0].prompt_ids) <= self.PREFILL_BUDGET):
                 admit.append(self.waiting.popleft())
                 tokens += len(admit[-1].prompt_ids)
+        self._finish_starts()  # (a failed round may have left one)
         self._release_finished()
         self._resume_if_recovered()
         if admit:
@@ -521,11 +526,62 @@ class SpeculativeEngine:
         for req in reqs:
             req.pending = req.prompt_ids[-1]
         self.times.add("admit", time.perf_counter() - t0)
+        later = [r for r in reqs if r.k and r.method == "draft_model"] if self._start_later_ok() else []
+        if later:
+            self._start_later(later)
+            reqs = [r for r in reqs if r not in later]
         if any(r.k for r in reqs):
             self._await_early()  # (a start would wait for them anyway: counted as drafting, not as the start)
         t1 = time.perf_counter()
         self._start_drafting_many([r for r in reqs if r.k])
         self.times.add("start", time.perf_counter() - t1)
+
+    def _start_later_ok(self) -> bool:
+        """New sequences may start on the drafter while the round runs (not before it): the policy
+        has speculation off, so they would not draft this round anyway, and the drafter is
+        remote, so its prefill runs beside the target's pass instead of before it."""
+        proposer = self.proposers.get("draft_model")
+        return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
+                and proposer.answers_later and self.degraded is None and self._starting is None and not self._early)
+
+    def _start_later(self, reqs: list[Request]) -> None:
+        items = [(r.id, r.prompt_ids + r.out, r.params) for r in reqs]
+        outcome: dict = {}
+
+        def start() -> None:
+            try:
+                self.proposers["draft_model"].start_many(items)
+            except Exception as e:  # handled by `_finish_starts`, on the loop's thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=start, name="drafter-start", daemon=True)
+        thread.start()
+        self._starting = (thread, reqs, outcome)
+
+    def _finish_starts(self) -> None:
+        """Waits for a Start sent by `_start_later` (before any other drafter call; at the latest
+        right after the round's target pass) and handles its outcome as a Start before the round
+        would be: the sequences draft from the next round on, or run without the drafter."""
+        if self._starting is None:
+            return
+        thread, reqs, outcome = self._starting
+        self._starting = None
+        t0 = time.perf_counter()
+        thread.join()
+        self.times.add("start", time.perf_counter() - t0)  # only the part not hidden by the round
+        error = outcome.get("error")
+        live = [r for r in reqs if r in self.running]
+        if error is None:
+            self.deferred_starts += len(reqs)
+            for req in reqs:
+                if req in live:
+                    req.unsent, req.via = [], "draft_model"
+                else:  # finished during the round: the drafter started it all the same
+                    self._to_release.append(("draft_model", req.id))
+            return
+        if not isinstance(error, (CapacityError, ValueError)):
+            self._proposer_failed(error)  # (these then start on the fallback below)
+        self._start_drafting_many(live)  # one by one where refused: those run without the drafter
 
     def _compact(self) -> None:
         """Keeps the b running sequences in target slots 0..b-1: a sequence above a hole (left by
@@ -551,6 +607,9 @@ class SpeculativeEngine:
                                     [r.fixed_k for r in running])
         t_round = time.perf_counter()
         self.times.add("policy", t_round - t_choose)
+        if self._starting is not None and (self._early or any(
+                r.via == "draft_model" and (c or len(r.unsent) >= CATCH_UP_TOKENS) for r, c in zip(running, chosen))):
+            self._finish_starts()  # the drafter is called before the pass: its Start goes first
         drafts, t_draft = self._propose(running, chosen)
         t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]
@@ -566,6 +625,7 @@ class SpeculativeEngine:
         t_pass = time.perf_counter() - t0
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
+        self._finish_starts()  # (before this round's tokens are counted as not sent to the drafter)
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
         for req, draft, outcome, k, c, done in zip(running, drafts, outcomes, ks, chosen, committed):
