@@ -314,3 +314,18 @@ def test_plain_rounds_right_after_drafting_ones_do_not_calibrate_or_time_plain_p
     assert timed == [False, False, True, True, True]
     policy.choose([0], [seq], ["draft_model"])  # nobody may draft: a plain round, it counts as one
     assert policy.since_drafted == 6
+
+
+def test_a_wide_pass_never_looks_cheaper_than_the_profile_says_against_a_narrow_one():
+    """Each (b, w) is averaged apart; T(b, w) is at least T(b, 1) times the profile's ratio, so a
+    narrow pass measured slow (a busy spell) does not make drafting look free."""
+    costs = PassCosts({(b, w): 1e-3 * b * (1 + 0.5 * (w - 1)) for b in (1, 32) for w in (1, 2, 5)})
+    assert costs(32, 2) == pytest.approx(48e-3)
+    for _ in range(50):
+        costs.observe(32, 1, 60e-3)  # narrow passes measured slow
+        costs.observe(32, 2, 40e-3)
+    assert costs(32, 1) == pytest.approx(60e-3, rel=0.01)
+    assert costs(32, 2) == pytest.approx(90e-3, rel=0.01)  # 60 ms x 1.5, not the 40 ms measured
+    for _ in range(50):
+        costs.observe(32, 2, 120e-3)  # measured dearer than the ratio: the measurement stands
+    assert costs(32, 2) == pytest.approx(120e-3, rel=0.01)

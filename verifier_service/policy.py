@@ -175,13 +175,22 @@ class DraftCosts:
 
 class PassCosts:
     """T(b, w): seconds of one target pass, from a startup profile on a (b, w) grid, bilinear in
-    between (linear extrapolation past the largest b), replaced per (b, w) by an online average."""
+    between (linear extrapolation past the largest b), replaced per (b, w) by an online average.
+    A wide pass costs at least T(b, 1) times the profile's ratio T(b, w) / T(b, 1): each cell is
+    measured apart, in its own rounds and conditions, and at 32 sequences the averages had come
+    to T(32, 2) = 39 ms against T(32, 1) = 63 ms, so drafting one token looked nearly free there."""
 
     def __init__(self, grid: dict[tuple[int, int], float] | None = None):
         self.grid = dict(grid or {})
         self.measured: dict[tuple[int, int], float] = {}
 
     def __call__(self, b: int, w: int) -> float:
+        t = self._own(b, w)
+        if w > 1 and self.grid:
+            t = max(t, self._own(b, 1) * self._interpolate(b, w) / max(self._interpolate(b, 1), 1e-12))
+        return t
+
+    def _own(self, b: int, w: int) -> float:
         if (b, w) in self.measured:
             return self.measured[(b, w)]
         return self._interpolate(b, w) if self.grid else 0.0
@@ -189,7 +198,7 @@ class PassCosts:
     def observe(self, b: int, w: int, seconds: float) -> None:
         old = self.measured.get((b, w))
         self.measured[(b, w)] = seconds if old is None and not self.grid else \
-            (1 - EMA) * (old if old is not None else self(b, w)) + EMA * seconds
+            (1 - EMA) * (old if old is not None else self._own(b, w)) + EMA * seconds
 
     def _interpolate(self, b: int, w: int) -> float:
         bs = sorted({g[0] for g in self.grid})
