@@ -400,5 +400,11 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
             for p, r in zip(prompts, reqs):
                 assert r.result().token_ids == plain.generate(p, 60, SamplingParams(), 0).token_ids
             assert engine.degraded is None and engine.proposer_failures == 0
+            if capacity == 8:  # a seeded sampled request drafts from its first round: started before it
+                seeded = engine.submit([5, 6], 10, SamplingParams(temperature=0.9, seed=3), k=4)
+                engine.step()
+                assert engine.deferred_starts == 3 and seeded.stats.rounds_by_k[0] == 0
+                while not seeded.done.is_set():
+                    engine.step()
         finally:
             server.stop(0)

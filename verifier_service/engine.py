@@ -526,7 +526,8 @@ class SpeculativeEngine:
         for req in reqs:
             req.pending = req.prompt_ids[-1]
         self.times.add("admit", time.perf_counter() - t0)
-        later = [r for r in reqs if r.k and r.method == "draft_model"] if self._start_later_ok() else []
+        # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
+        later = [r for r in reqs if r.k and r.method == "draft_model" and not r.fixed_k] if self._start_later_ok() else []
         if later:
             self._start_later(later)
             reqs = [r for r in reqs if r not in later]
