@@ -88,12 +88,8 @@ def test_ready_drafts_make_drafting_cheap_only_where_they_happen():
     policy.observe_draft("draft_model", 8, 4, 1e-3, all_ready=True)
     rate = policy.model_rates([4], good[:1], ["draft_model"])
     assert rate[4] > 1.25 * rate[0]  # one sequence: its draft is often ready
-    # eight: some row almost always drafts on demand, and the call costs what drafting on demand
-    # for the rows not ready costs (M between the batch sizes measured), not M(8, k) nor H
-    full, one = policy.draft_cost("draft_model", 8, 4), policy.draft_cost("draft_model", 1, 4)
-    assert policy.draft_cost("draft_model", 8, 4, 0.0, 3.0) == pytest.approx(one + (full - one) * 2 / 7)
     rate8 = policy.model_rates([4] * 8, good, ["draft_model"] * 8)
-    assert rate8[4] < 1.5 * rate8[0]
+    assert rate8[4] < rate8[0]  # eight: some row almost always drafts on demand
     assert policy.state()["ready_after_all_accepted"]["draft_model"] > 0.9
 
 
@@ -333,19 +329,3 @@ def test_a_wide_pass_never_looks_cheaper_than_the_profile_says_against_a_narrow_
     for _ in range(50):
         costs.observe(32, 2, 120e-3)  # measured dearer than the ratio: the measurement stands
     assert costs(32, 2) == pytest.approx(120e-3, rel=0.01)
-
-
-def test_on_demand_drafting_is_fitted_by_the_rows_that_drafted_on_demand():
-    """A call costs what its rows without a ready draft cost: M is fitted by their count, and the
-    model weighs it by the rows expected to miss (a call where 14 of 16 rows were ready does not
-    make drafting for 16 look cheap)."""
-    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 * b * w for b in (1, 16) for w in (1, 5)}))
-    for k in (1, 4):
-        policy.observe_draft("draft_model", 16, k, 0.1 * k)  # all 16 on demand: dear
-        policy.observe_draft("draft_model", 16, k, 0.01 * k, missed=2)  # 2 of 16 on demand: cheap
-    assert policy.draft_cost("draft_model", 16, 4) == pytest.approx(0.4, rel=0.05)
-    assert policy.draft_cost("draft_model", 16, 4, missing=2.0) == pytest.approx(0.04, rel=0.05)
-    assert policy.draft_cost("draft_model", 16, 4, missing=9.0) == pytest.approx(0.22, rel=0.05)  # (between)
-    policy.observe_draft("draft_model", 16, 4, 1e-3, missed=0)  # every row ready: a ready call
-    assert policy.hit_costs[("draft_model", 16)] == pytest.approx(1e-3)
-    assert policy.draft_cost("draft_model", 16, 4) == pytest.approx(0.4, rel=0.05)

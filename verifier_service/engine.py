@@ -733,7 +733,7 @@ class SpeculativeEngine:
             if k:
                 t_draft += time.perf_counter() - t0
                 self.policy.observe_draft(name, len(rows), k, time.perf_counter() - t0,
-                                          missed=sum(1 for i, d in zip(rows, proposed) if ks[i] and not d.pipeline_hit))
+                                          all_ready=all(d.pipeline_hit for i, d in zip(rows, proposed) if ks[i]))
             for i, draft in zip(rows, proposed):
                 drafts[i] = draft
                 running[i].unsent = []
@@ -761,7 +761,7 @@ class SpeculativeEngine:
         self.early_drafts += len(rows)
         if rows:
             self.policy.observe_draft("draft_model", len(rows), max(ks[i] for i in rows), waited,
-                                      missed=sum(1 for i in rows if not drafts[i].pipeline_hit))
+                                      all_ready=all(drafts[i].pipeline_hit for i in rows))
         return waited
 
     def _await_early(self, before_round: bool = True) -> None:

@@ -372,16 +372,13 @@ class SpeculationPolicy:
         used = {p for p, lim in zip(proposers, limits) if lim}
         tokens_by_k, seconds_by_k = [], []
         for k in range(max(limits) + 1):
-            # ready: P(every row of p finds its draft ready); missing: the rows of p expected to draft on demand
-            tokens, ready, missing = 0.0, {p: 1.0 for p in used}, {p: 0.0 for p in used}
+            tokens, ready = 0.0, {p: 1.0 for p in used}  # ready: P(every row of p finds its draft ready)
             for sc, lim, p in zip(scales, limits, proposers):
                 e, all_accepted = round_outcome(position_rates, sc, min(k, lim))
                 tokens += e
                 if lim:
-                    r = all_accepted * self.hit_rate(p)
-                    ready[p] *= r
-                    missing[p] += 1 - r
-            seconds = self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[p], missing[p]) for p in used) \
+                    ready[p] *= all_accepted * self.hit_rate(p)
+            seconds = self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[p]) for p in used) \
                 + self.overhead.get((b, k > 0), 0.0)
             tokens_by_k.append(tokens)
             seconds_by_k.append(max(seconds, 1e-9))
@@ -427,19 +424,13 @@ class SpeculationPolicy:
         sums[1] = CAL_DECAY * sums[1] + seconds
         self.predicted = None
 
-    def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0, missing: float | None = None) -> float:
-        """D(b, k) = ready * H + (1 - ready) * M(m, k); ready: P(every row's draft is ready); m: the
-        rows expected to draft on demand (default b). A call drafts on demand only for its rows
-        whose draft was not ready, so M is fitted by those rows' count (`observe_draft`)."""
+    def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0) -> float:
+        """D(b, k) = ready * H + (1 - ready) * M(b, k); ready: P(every row's draft is ready)."""
         if not k or proposer is None:
             return 0.0
-        m = b if missing is None else max(1.0, missing)
-        known = sorted((bb, d) for (p, bb), d in self.draft_costs.items() if p == proposer)
-        if known:  # linear in the rows between the batch sizes measured (the nearest outside them)
-            below = [x for x in known if x[0] <= m] or known[:1]
-            above = [x for x in known if x[0] >= m] or known[-1:]
-            (b0, d0), (b1, d1) = below[-1], above[0]
-            miss = d0(k) if b1 == b0 else d0(k) + (d1(k) - d0(k)) * (m - b0) / (b1 - b0)
+        near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items() if p == proposer]
+        if near:
+            miss = min(near, key=lambda x: x[:2])[2](k)
         else:  # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
             miss = 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
         hits = [(abs(bb - b), bb, h) for (p, bb), h in self.hit_costs.items() if p == proposer]
@@ -475,22 +466,15 @@ class SpeculationPolicy:
             return
         self.costs.observe(b, width, seconds)
 
-    def observe_draft(self, proposer: str, b: int, k: int, seconds: float, all_ready: bool = False,
-                      missed: int | None = None) -> None:
-        """A call that drafted up to k for b rows; all_ready: every row's draft was prepared;
-        missed: the rows whose draft was not (default b). A call's cost is that of its on-demand
-        rows, so M is fitted by their count: fitted by b, calls where most rows were ready made
-        on-demand drafting look cheap at large batches (M(16, 2) 14 ms against 38 ms profiled, and
-        the policy speculated at 16 sequences, predicting 1.33x plain and running 0.85x)."""
+    def observe_draft(self, proposer: str, b: int, k: int, seconds: float, all_ready: bool = False) -> None:
+        """A call that drafted up to k for b rows; all_ready: every row's draft was prepared."""
         if not k:
             return
-        if missed == 0:
-            all_ready = True
         if all_ready:
             old = self.hit_costs.get((proposer, b))
             self.hit_costs[(proposer, b)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         else:
-            self.draft_costs.setdefault((proposer, b if missed is None else missed), DraftCosts()).observe(k, seconds)
+            self.draft_costs.setdefault((proposer, b), DraftCosts()).observe(k, seconds)
 
     def observe_ready(self, proposer: str, ready: bool) -> None:
         """A row drafted after a round that accepted all its drafts: was its draft ready?"""
