@@ -245,6 +245,7 @@ class ModelRunner:
         self.fast.cache.fork(slot, parent, at)
         self.started[slot] = True
 
+    @torch.inference_mode()  # (as `move`: it writes the cache's buffers)
     def adopt(self, parent: int, slot: int) -> None:
         """The parent takes over a branch's continuation (only its new positions are copied); the
         branch slot is released."""
@@ -264,6 +265,7 @@ class ModelRunner:
         elif n:
             self.caches[slot].crop(-n)
 
+    @torch.inference_mode()  # (the cache's buffers are inference tensors once a pass has grown them)
     def move(self, src: int, dst: int) -> None:
         """Moves the sequence in slot `src` to the free slot `dst` (same numbers, new slot)."""
         if self.started[dst] or not self.started[src]:

@@ -131,3 +131,23 @@ def test_queue_bound_and_cancellation_free_slots():
         assert len(eng.free_slots) == 2 and not eng.proposer.seqs
     finally:
         eng.stop()
+
+
+def test_a_failed_slot_move_never_ends_the_loop():
+    """Keeping slots 0..b-1 is an optimisation: if moving a sequence fails, the engine logs it,
+    stops compacting and serves on (each sequence keeps its slot, output unchanged)."""
+    target, drafter = tiny_model("llama", V, seed=3), tiny_model("llama", V, seed=4, layers=1)
+    eng = engine(target, drafter, slots=4)
+
+    def broken(src, dst):
+        raise RuntimeError("no move today")
+
+    eng.target.move = broken
+    reqs = [eng.submit([1 + i, 2, 3], n, SamplingParams(), k=3) for i, n in enumerate((5, 30, 30))]
+    eng.start()
+    try:
+        for i, (r, n) in enumerate(zip(reqs, (5, 30, 30))):
+            assert r.done.wait(60) and r.result().token_ids == solo_plain(target, [1 + i, 2, 3], n).token_ids
+        assert eng._compact_failed and eng.health()["status"] == "ok"
+    finally:
+        eng.stop()

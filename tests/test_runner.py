@@ -134,7 +134,9 @@ def test_moving_a_sequence_to_another_slot_keeps_its_numbers(arch):
     exactly as it would have in its old slot (the lean forward's cache and the HF path)."""
     model = tiny_model(arch, 64, seed=4)
     runner = ModelRunner(model, slots=3)
-    prompt = [5, 6, 7, 8, 9, 10]
+    # longer than the lean cache's first capacity (256): its buffers are regrown inside a pass, as
+    # in serving, and are then inference tensors (a move outside inference mode failed on them)
+    prompt = [(5 + 7 * i) % 64 for i in range(300)]
     runner.prefill(prompt, slot=2)
     runner.score([11, 12], slot=2)
     runner.rollback(1, slot=2)
@@ -143,8 +145,25 @@ def test_moving_a_sequence_to_another_slot_keeps_its_numbers(arch):
     with pytest.raises(ValueError):
         runner.move(1, 0)  # nothing in slot 1
     runner.move(2, 0)
-    assert runner.seq_length(0) == 7 and runner.seq_length(2) == 0 and not runner.started[2]
+    assert runner.seq_length(0) == 301 and runner.seq_length(2) == 0 and not runner.started[2]
     assert torch.allclose(runner.score([3, 4], slot=0), alone.score([3, 4]), atol=1e-5)
     runner.prefill([1, 2], slot=1)
     with pytest.raises(ValueError):
         runner.move(0, 1)  # slot 1 is in use
+
+
+def test_adopting_a_branch_works_once_the_cache_has_grown():
+    """The cache's buffers regrown inside a pass are inference tensors; adopting a branch writes
+    them (it failed outside inference mode for sequences past the first capacity of 256)."""
+    model = tiny_model("llama", 64, seed=5)
+    runner = ModelRunner(model, slots=2)
+    prompt = [(3 + 5 * i) % 64 for i in range(300)]
+    runner.prefill(prompt, slot=0)
+    runner.fork(1, 0, 299)
+    runner.score([7, 8], slot=1)
+    runner.rollback(1, slot=0)
+    runner.adopt(0, 1)
+    alone = ModelRunner(model)
+    alone.prefill(prompt[:299] + [7, 8])
+    assert runner.seq_length(0) == 301
+    assert torch.allclose(runner.score([9], slot=0), alone.score([9]), atol=1e-5)

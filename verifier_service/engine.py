@@ -267,6 +267,7 @@ class SpeculativeEngine:
         # target pass runs (speculation off: nobody drafts now): (thread, requests, outcome)
         self._starting: tuple[threading.Thread, list[Request], dict] | None = None
         self.deferred_starts = 0  # sequences started that way
+        self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
@@ -591,11 +592,16 @@ class SpeculativeEngine:
         sequences on the demo target: benchmarks/diagnostics/slot_gather.py)."""
         b = len(self.running)
         holes = sorted(s for s in self.free_slots if s < b)
-        if not holes:
+        if not holes or self._compact_failed:
             return
         movers = sorted((r for r in self.running if r.slot >= b), key=lambda r: r.slot)
         for hole, req in zip(holes, movers):
-            self.target.move(req.slot, hole)
+            try:
+                self.target.move(req.slot, hole)
+            except Exception:  # an optimisation only: never the loop's end (the slot stays as it was)
+                log.exception("moving a sequence between slots failed: batches read their slots gathered from now on")
+                self._compact_failed = True
+                return
             self.free_slots.remove(hole)
             self.free_slots.append(req.slot)
             req.slot = hole
