@@ -153,7 +153,6 @@ def load_app_args(path: str | None) -> dict:
 
 def cmd_serve(args) -> int:
     import signal
-    import threading
 
     from specserve.builder import check_pair
     from specserve.core.runner import ModelLoadError
@@ -184,11 +183,12 @@ def cmd_serve(args) -> int:
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
           f"\"temperature\": 0}}'\n", flush=True)
-    stop = threading.Event()
+    stop: list[int] = []  # a plain flag: a handler that set a threading.Event could run while the main
+    # thread held that Event's lock (inside its wait) and deadlock on it, as a Ctrl-C once did here
     for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):  # wakes twice a second, so the handlers run (they run between bytecodes)
-        pass
+        signal.signal(sig, lambda signum, _: stop.append(signum))
+    while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
+        time.sleep(0.5)
     print("shutting down (Ctrl-C again to exit at once)", flush=True)
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
