@@ -544,7 +544,7 @@ class SpeculativeEngine:
         remote, so its prefill runs beside the target's pass instead of before it."""
         proposer = self.proposers.get("draft_model")
         return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
-                and proposer.answers_later and self.degraded is None and self._starting is None and not self._early)
+                and proposer.answers_later and self.degraded is None and not self._early)
 
     def _start_later(self, reqs: list[Request]) -> None:
         items = [(r.id, r.prompt_ids + r.out, r.params) for r in reqs]
@@ -614,9 +614,6 @@ class SpeculativeEngine:
                                     [r.fixed_k for r in running])
         t_round = time.perf_counter()
         self.times.add("policy", t_round - t_choose)
-        if self._starting is not None and (self._early or any(
-                r.via == "draft_model" and (c or len(r.unsent) >= CATCH_UP_TOKENS) for r, c in zip(running, chosen))):
-            self._finish_starts()  # the drafter is called before the pass: its Start goes first
         drafts, t_draft = self._propose(running, chosen)
         t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]
@@ -632,7 +629,9 @@ class SpeculativeEngine:
         t_pass = time.perf_counter() - t0
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
+        t_join = time.perf_counter()
         self._finish_starts()  # (before this round's tokens are counted as not sent to the drafter)
+        t_join = time.perf_counter() - t_join  # ("start", not the round's "rest")
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
         for req, draft, outcome, k, c, done in zip(running, drafts, outcomes, ks, chosen, committed):
@@ -678,7 +677,7 @@ class SpeculativeEngine:
         self.policy.observe_round(wall)
         self.times.rounds += 1
         self.times.add("pass", t_pass)
-        self.times.add("rest", wall - before - t_pass - t_propose)
+        self.times.add("rest", wall - before - t_pass - t_propose - t_join)
 
     def _send_early(self, running: list[Request], committed: list, chosen: list[int]) -> dict[str, int]:
         """Sends the round's outcome (its committed tokens) of every sequence that drafted on a
@@ -725,6 +724,8 @@ class SpeculativeEngine:
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
             if not rows:
                 continue
+            if name == "draft_model":
+                self._finish_starts()  # a Start sent during the round goes first
             t0 = time.perf_counter()
             try:
                 proposed = proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i],
