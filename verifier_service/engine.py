@@ -263,9 +263,9 @@ class SpeculativeEngine:
         self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
-        # a remote drafter's Start of new sequences running on a helper thread beside the round
-        # (they draft from the round after it): (thread, requests, outcome, proposer failures then)
-        self._starting: tuple[threading.Thread, list[Request], dict, int] | None = None
+        # a remote drafter's Start of new sequences running on a helper thread while the round's
+        # target pass runs (speculation off: nobody drafts now): (thread, requests, outcome)
+        self._starting: tuple[threading.Thread, list[Request], dict] | None = None
         self.deferred_starts = 0  # sequences started that way
         self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
@@ -539,16 +539,12 @@ class SpeculativeEngine:
         self.times.add("start", time.perf_counter() - t1)
 
     def _start_later_ok(self) -> bool:
-        """Under the adaptive policy, new sequences start on a remote drafter while the round runs,
-        not before it: the drafter's prefill (and its wait for the lock, behind a preparation)
-        runs beside the target's pass instead of stalling every running sequence. They decode
-        plainly in that round and draft from the next one on (exact either way: a round without
-        drafts is plain decoding). With speculation on, that costs the new sequences one round's
-        drafts; a Start before the round cost every sequence its wait, 1-10 ms per round at 16
-        sequences (docs/benchmarks/batching.md, "start")."""
+        """New sequences may start on the drafter while the round runs (not before it): the policy
+        has speculation off, so they would not draft this round anyway, and the drafter is
+        remote, so its prefill runs beside the target's pass instead of before it."""
         proposer = self.proposers.get("draft_model")
-        return self.policy.mode == "adaptive" and proposer is not None and proposer.answers_later and \
-            self.degraded is None
+        return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
+                and proposer.answers_later and self.degraded is None and not self._early)
 
     def _start_later(self, reqs: list[Request]) -> None:
         items = [(r.id, r.prompt_ids + r.out, r.params) for r in reqs]
@@ -562,25 +558,21 @@ class SpeculativeEngine:
 
         thread = threading.Thread(target=start, name="drafter-start", daemon=True)
         thread.start()
-        self._starting = (thread, reqs, outcome, self.proposer_failures)
+        self._starting = (thread, reqs, outcome)
 
     def _finish_starts(self) -> None:
-        """Waits for a Start sent by `_start_later` (right after the round's target pass, before
-        the round's tokens are counted as unsent) and handles its outcome as a Start before the
-        round would be: the sequences draft from the next round on, or run without the drafter
-        (also when the drafter failed meanwhile: the fallback takes them)."""
+        """Waits for a Start sent by `_start_later` (before any other drafter call; at the latest
+        right after the round's target pass) and handles its outcome as a Start before the round
+        would be: the sequences draft from the next round on, or run without the drafter."""
         if self._starting is None:
             return
-        thread, reqs, outcome, failures = self._starting
+        thread, reqs, outcome = self._starting
         self._starting = None
         t0 = time.perf_counter()
         thread.join()
         self.times.add("start", time.perf_counter() - t0)  # only the part not hidden by the round
         error = outcome.get("error")
         live = [r for r in reqs if r in self.running]
-        if failures != self.proposer_failures:  # the drafter failed meanwhile: the fallback takes them
-            self._start_drafting_many(live)
-            return
         if error is None:
             self.deferred_starts += len(reqs)
             for req in reqs:
@@ -732,6 +724,8 @@ class SpeculativeEngine:
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
             if not rows:
                 continue
+            if name == "draft_model":
+                self._finish_starts()  # a Start sent during the round goes first
             t0 = time.perf_counter()
             try:
                 proposed = proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i],
