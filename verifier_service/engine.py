@@ -267,9 +267,6 @@ class SpeculativeEngine:
         # target pass runs (speculation off: nobody drafts now): (thread, requests, outcome)
         self._starting: tuple[threading.Thread, list[Request], dict] | None = None
         self.deferred_starts = 0  # sequences started that way
-        # seconds the loop spent in drafter Starts and Releases since the last round (between
-        # rounds, stalling every sequence): charged to the next round, so the policy sees them
-        self._between = 0.0
         self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
@@ -507,7 +504,6 @@ class SpeculativeEngine:
                 log.warning("release of %d sequences failed: %s", len(ids), e)
         if todo:
             self.times.add("release", time.perf_counter() - t0)
-            self._between += time.perf_counter() - t0
 
     PREFILL_BUDGET = 1024  # prompt tokens admitted per round while others run
 
@@ -541,7 +537,6 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         self._start_drafting_many([r for r in reqs if r.k])
         self.times.add("start", time.perf_counter() - t1)
-        self._between += time.perf_counter() - t1
 
     def _start_later_ok(self) -> bool:
         """New sequences may start on the drafter while the round runs (not before it): the policy
@@ -678,12 +673,8 @@ class SpeculativeEngine:
             t_draft -= before  # this round's (k = 0 must not look dearer for it)
             before = 0.0
         wall = time.perf_counter() - t_round + before
-        # the Starts and Releases before this round stalled it too: a cost of its mode (speculating,
-        # a Start waits for the drafter's drafts and preparation; with speculation off it runs beside
-        # the round), which the model otherwise never saw (5.2 ms per round at 32 sequences, k = 1)
-        between, self._between = self._between, 0.0
-        self.policy.observe_overhead(len(running), max(chosen) > 0, wall + between - t_pass - t_draft)
-        self.policy.observe_round(wall + between)
+        self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
+        self.policy.observe_round(wall)
         self.times.rounds += 1
         self.times.add("pass", t_pass)
         self.times.add("rest", wall - before - t_pass - t_propose - t_join)

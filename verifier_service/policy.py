@@ -31,8 +31,7 @@ sequences drafting k tokens each,
   D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
   batches and short k, which is where pipelining pays;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
-  that draft nothing, and the drafter Starts and Releases the loop made since the round before),
-  measured online apart for rounds with and without drafts.
+  that draft nothing), measured online apart for rounds with and without drafts.
 
 What the model leaves out (thread hand-offs, contention between the two actors, estimates that
 lag a change of load) is learnt too: the model's seconds for each round over the measured
