@@ -329,3 +329,33 @@ def test_a_wide_pass_never_looks_cheaper_than_the_profile_says_against_a_narrow_
     for _ in range(50):
         costs.observe(32, 2, 120e-3)  # measured dearer than the ratio: the measurement stands
     assert costs(32, 2) == pytest.approx(120e-3, rel=0.01)
+
+
+def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas():
+    """model_round's tokens for k are sum_i (1 + sum_{j <= min(k, limit_i)} prod_{l <= j} min(1, a_l s_i)),
+    and its drafting time weighs the ready call by prod_i (prod_{l <= min(k, limit_i)} min(1, a_l s_i)) h
+    over the drafting rows (a row that drafts nothing adds one token and no factor)."""
+    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 * (b + w) for b in (1, 8) for w in (1, 5)}))
+    policy.prepared.add("draft_model")
+    for k in (1, 4):
+        policy.observe_draft("draft_model", 5, k, 2e-3 * k)
+    policy.observe_draft("draft_model", 5, 4, 1e-4, all_ready=True)
+    for accepted in (4, 2, 0, 3, 4, 1):
+        policy.observe_acceptance(Acceptance(), 4, accepted)
+    limits = [4, 2, 0, 1, 3]
+    accs = [Acceptance(accepted=a, trials=10.0) for a in (9.0, 5.0, 0.0, 7.0, 2.0)]
+    tokens, seconds = policy.model_round(limits, accs, ["draft_model", "draft_model", None, "draft_model", "draft_model"])
+    prior = policy.engine_acceptance.rate(0.7, weight=1.0)
+    rates = policy.positions.rates(4, 0.7)
+    h = policy.hit_rate("draft_model")
+    for k in range(5):
+        want, ready = 0.0, 1.0
+        for lim, a in zip(limits, accs):
+            s = a.rate(prior) / prior
+            runs = [float(np.prod([min(1.0, rates[l] * s) for l in range(j)])) for j in range(1, min(k, lim) + 1)]
+            want += 1 + sum(runs)
+            if lim:
+                ready *= (runs[-1] if runs else 1.0) * h
+        assert tokens[k] == pytest.approx(want, rel=1e-12)
+        want_s = policy.costs(5, k + 1) + policy.draft_cost("draft_model", 5, k, ready) + policy.overhead.get((5, k > 0), 0.0)
+        assert seconds[k] == pytest.approx(want_s, rel=1e-12)

@@ -137,20 +137,6 @@ class PositionalAcceptance:
         return out
 
 
-def expected_round_tokens(position_rates: list[float], scale: float, k: int) -> float:
-    """1 + sum_{j<=k} prod_{l<=j} min(1, a_l * scale)."""
-    return round_outcome(position_rates, scale, k)[0]
-
-
-def round_outcome(position_rates: list[float], scale: float, k: int) -> tuple[float, float]:
-    """(expected tokens of a round drafting k, probability that all k drafts are accepted)."""
-    total, run = 1.0, 1.0
-    for a in position_rates[:k]:
-        run *= min(1.0, a * scale)
-        total += run
-    return total, run
-
-
 class DraftCosts:
     """M(k) = M0 + k * m for one proposer at one batch size (calls that drafted on demand): least
     squares over the calls seen, older calls weighing less (each new one multiplies the old sums
@@ -181,8 +167,9 @@ class PassCosts:
     to T(32, 2) = 39 ms against T(32, 1) = 63 ms, so drafting one token looked nearly free there."""
 
     def __init__(self, grid: dict[tuple[int, int], float] | None = None):
-        self.grid = dict(grid or {})
+        self.grid = dict(grid or {})  # fixed from here on: its interpolations are kept
         self.measured: dict[tuple[int, int], float] = {}
+        self._interpolated: dict[tuple[int, int], float] = {}
 
     def __call__(self, b: int, w: int) -> float:
         t = self._own(b, w)
@@ -201,6 +188,12 @@ class PassCosts:
             (1 - EMA) * (old if old is not None else self._own(b, w)) + EMA * seconds
 
     def _interpolate(self, b: int, w: int) -> float:
+        t = self._interpolated.get((b, w))
+        if t is None:
+            t = self._interpolated[(b, w)] = self._bilinear(b, w)
+        return t
+
+    def _bilinear(self, b: int, w: int) -> float:
         bs = sorted({g[0] for g in self.grid})
         ws = sorted({g[1] for g in self.grid})
 
@@ -329,7 +322,8 @@ class SpeculationPolicy:
             return list(limits)
         b = len(limits)
         tokens, seconds = self.model_round(limits, acceptance, proposers)
-        rates = [t / s * self.calibration(b, k > 0) for k, (t, s) in enumerate(zip(tokens, seconds))]
+        cal = (self.calibration(b, False), self.calibration(b, True))
+        rates = [t / s * cal[k > 0] for k, (t, s) in enumerate(zip(tokens, seconds))]
         best = max(range(1, len(rates)), key=rates.__getitem__)
         if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
@@ -370,18 +364,23 @@ class SpeculationPolicy:
         scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
         position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
         used = {p for p, lim in zip(proposers, limits) if lim}
-        tokens_by_k, seconds_by_k = [], []
-        for k in range(max(limits) + 1):
-            tokens, ready = 0.0, {p: 1.0 for p in used}  # ready: P(every row of p finds its draft ready)
-            for sc, lim, p in zip(scales, limits, proposers):
-                e, all_accepted = round_outcome(position_rates, sc, min(k, lim))
-                tokens += e
+        hit = {p: self.hit_rate(p) for p in used}
+        top = max(limits)
+        # per k: expected tokens (1 + sum_{j<=k} prod_{l<=j} min(1, a_l * s_i) per row, a row drafting
+        # min(k, its limit)), and P(every row of p finds its draft ready): one pass over each row's positions
+        tokens_by_k = [0.0] * (top + 1)
+        ready = [dict.fromkeys(used, 1.0) for _ in range(top + 1)]
+        for sc, lim, p in zip(scales, limits, proposers):
+            total, run = 1.0, 1.0
+            for k in range(top + 1):
+                if 0 < k <= lim:
+                    run *= min(1.0, position_rates[k - 1] * sc)
+                    total += run
+                tokens_by_k[k] += total
                 if lim:
-                    ready[p] *= all_accepted * self.hit_rate(p)
-            seconds = self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[p]) for p in used) \
-                + self.overhead.get((b, k > 0), 0.0)
-            tokens_by_k.append(tokens)
-            seconds_by_k.append(max(seconds, 1e-9))
+                    ready[k][p] *= run * hit[p]
+        seconds_by_k = [max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[k][p]) for p in used)
+                            + self.overhead.get((b, k > 0), 0.0), 1e-9) for k in range(top + 1)]
         return tokens_by_k, seconds_by_k
 
     def hit_rate(self, proposer: str | None) -> float:
