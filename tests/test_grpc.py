@@ -176,9 +176,10 @@ def test_a_catch_up_call_is_not_waited_for_and_its_error_surfaces_on_the_next_ca
 
 def test_the_propose_stream_sends_now_answers_later_and_a_refusal_ends_only_that_stream(stub):
     """RemoteProposer proposes on one long-lived stream: `send` returns at once, `receive` gives
-    the drafts (the same as a unary Propose's, the drafter being greedy and deterministic); a Start
-    or Release reads the answer first; a refused request raises and the next call opens a new
-    stream on the same connection."""
+    the drafts (the same as a unary Propose's, the drafter being greedy and deterministic); a
+    Release of a sequence in flight reads the answer first, a Start (of new sequences) does not
+    wait for it; a refused request raises and the next call opens a new stream on the same
+    connection."""
     from specserve.core.proposer import ProposeItem
     from specserve.verifier.client import RemoteProposer
     s, _, servicer = stub
@@ -194,18 +195,19 @@ def test_the_propose_stream_sends_now_answers_later_and_a_refusal_ends_only_that
         streams.add(id(remote.client.stream))
     assert len(streams) == 1  # one stream for every round
     remote.send([ProposeItem("st", [9], 2)])
-    remote.start("st2", [4, 5], SamplingParams())  # reads the Propose's answer before starting
-    assert not remote._unanswered and len(remote.receive()[0].tokens) == 2
+    remote.start("st2", [4, 5], SamplingParams())  # does not wait for the Propose in flight
+    assert len(remote._unanswered) == 1 and len(remote.receive()[0].tokens) == 2
     with pytest.raises(ValueError, match="outside the vocabulary"):
         remote.propose([ProposeItem("st", [V + 5], 2)])
     assert remote.client.stream is None  # that stream ended with the refusal's status
     assert len(remote.propose([ProposeItem("st", [7], 2)])[0].tokens) == 2  # a new one serves
     remote.send([ProposeItem("st", [V + 6], 2)])
-    remote.start("st3", [1], SamplingParams())  # reads the refusal first; the Start itself succeeds
+    remote.start("st3", [1], SamplingParams())  # beside the refused Propose: the Start succeeds
+    remote.release_many(["st"])  # reads the refusal first; the Release itself succeeds
     with pytest.raises(ValueError, match="outside the vocabulary"):
         remote.receive()  # the failure stays with the Propose
     assert len(remote.propose([ProposeItem("st3", [2], 2)])[0].tokens) == 2
-    remote.release_many(["st", "st2", "st3"])
+    remote.release_many(["st2", "st3"])
     s.Release(pb.ReleaseRequest(seq_ids=["st-unary"]), timeout=10)
     remote.client.close()
 
@@ -366,10 +368,13 @@ def test_a_send_not_received_is_dropped_by_the_next_one(stub):
 
 
 def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculation_is_off():
-    """With speculation off, a remote drafter's Start of joining sequences runs beside the round's
-    target pass (they would not draft in it anyway): greedy output stays plain decoding's, the
-    drafter is caught up on them, and a Start the drafter refuses (full) falls back one by one,
-    the refused sequence running without the drafter, the engine not degraded."""
+    """With speculation off, a remote drafter's Start of joining sequences runs beside the rounds
+    (they would not draft in them anyway), and the loop does not wait for it: with the drafter
+    busy (its model lock held) the sequences decode plainly, round after round, and draft once the
+    Start is in. Greedy output stays plain decoding's, the drafter is caught up on them (told the
+    tokens committed meanwhile), and a Start the drafter refuses (full) falls back one by one, the
+    refused sequence running without the drafter, the engine not degraded."""
+    import threading
     from specserve.verifier.client import RemoteProposer
     from specserve.verifier.engine import SpeculativeEngine
     from specserve.verifier.policy import CATCH_UP_TOKENS, PassCosts
@@ -387,9 +392,16 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
                 engine.policy.observe_draft("draft_model", b, 1, 10.0)  # drafting looks hopeless
             engine.policy.on = False
             prompts = [[1 + i, 2, 3] for i in range(3)]
+            busy = threading.Event()
+            hold_model_lock(servicer, busy, 30.0)
             reqs = [engine.submit(p, 60, SamplingParams(), k=4) for p in prompts]
+            for _ in range(3):  # the Start waits for the drafter; the rounds do not
+                engine.step()
+            assert engine._starting and not any(r.drafting for r in reqs) and all(len(r.out) == 3 for r in reqs)
+            busy.set()
+            engine._starting[0][0].join(10)
             engine.step()
-            assert engine.deferred_starts == (3 if capacity == 8 else 0)
+            assert not engine._starting and engine.deferred_starts == (3 if capacity == 8 else 0)
             assert sum(r.drafting for r in reqs) == min(3, capacity) and engine.degraded is None
             while not all(r.done.is_set() for r in reqs):
                 for r in reqs:

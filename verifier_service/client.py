@@ -6,9 +6,11 @@ same draft -> verify -> accept rounds, with each draft fetched over gRPC.
 Proposes travel on one long-lived bidirectional stream per connection (`ProposeStream`): no call
 is set up per round, and a call can be sent now and collected later (`send`, then `receive`), so
 the engine sends a round's outcome as soon as acceptance is decided and does its bookkeeping
-while the drafter drafts. Start, Release and Info stay unary calls; before a Start or Info every
-Propose in flight is collected, before a Release those carrying a released sequence (a Release
-never overtakes a Propose of the same sequence).
+while the drafter drafts. Start, Release and Info stay unary calls; before an Info every Propose
+in flight is collected, before a Release those carrying a released sequence (a Release never
+overtakes a Propose of the same sequence). A Start waits for none (its new sequences have none in
+flight) and touches only its own sequences, so the engine may send it from a helper thread while
+its loop proposes on the stream.
 
 Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error or a missed
 deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
@@ -202,7 +204,7 @@ class RemoteProposer(Proposer):
             self._raise(method, e)
 
     def _settle(self) -> None:
-        """Reads the answers to every Propose in flight before a Start or Release (calls stay in
+        """Reads the answers to every Propose in flight before an Info or a Release (calls stay in
         order: a Release never overtakes a Propose of its sequence). An error among them is kept
         for the next Propose (`send`, `receive`) to raise: it belongs to the proposing, not to
         this call."""
@@ -239,10 +241,11 @@ class RemoteProposer(Proposer):
         self.start_many([(seq_id, prompt_ids, params)])
 
     def start_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """One Start call for all (the drafter starts all or none)."""
+        """One Start call for all (the drafter starts all or none); safe beside the loop's Proposes
+        on another thread (see the module's docstring)."""
         self._call("Start", pb.StartRequest(items=[
             pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
-            for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items))
+            for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items), settle=False)
         for seq_id, _, _ in items:
             self.rounds[seq_id] = 0
 

@@ -263,9 +263,10 @@ class SpeculativeEngine:
         self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
-        # a remote drafter's Start of new sequences running on a helper thread while the round's
-        # target pass runs (speculation off: nobody drafts now): (thread, requests, outcome)
-        self._starting: tuple[threading.Thread, list[Request], dict] | None = None
+        # remote drafter Starts of new sequences running on helper threads beside the rounds
+        # (speculation off: nobody drafts now): (thread, requests, tokens each had then, outcome,
+        # proposer failures then)
+        self._starting: list[tuple[threading.Thread, list[Request], list[int], dict, int]] = []
         self.deferred_starts = 0  # sequences started that way
         self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
@@ -402,7 +403,7 @@ class SpeculativeEngine:
                     not admit or not self.running or tokens + len(self.waiting[0].prompt_ids) <= self.PREFILL_BUDGET):
                 admit.append(self.waiting.popleft())
                 tokens += len(admit[-1].prompt_ids)
-        self._finish_starts()  # (a failed round may have left one)
+        self._finish_starts(wait=False)
         self._release_finished()
         self._resume_if_recovered()
         if admit:
@@ -484,6 +485,7 @@ class SpeculativeEngine:
     def _resume_if_recovered(self) -> None:
         if self.degraded is None or not self.proposer.recovered():
             return
+        self._finish_starts()  # (a Start still under way belongs to the connection before)
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
         self._early = self._early_got = None
@@ -539,9 +541,9 @@ class SpeculativeEngine:
         self.times.add("start", time.perf_counter() - t1)
 
     def _start_later_ok(self) -> bool:
-        """New sequences may start on the drafter while the round runs (not before it): the policy
-        has speculation off, so they would not draft this round anyway, and the drafter is
-        remote, so its prefill runs beside the target's pass instead of before it."""
+        """New sequences may start on the drafter while the rounds run (not before them): the
+        policy has speculation off, so they would not draft now anyway, and the drafter is
+        remote, so its prefill runs beside the target's passes instead of before them."""
         proposer = self.proposers.get("draft_model")
         return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
                 and proposer.answers_later and self.degraded is None and not self._early)
@@ -558,27 +560,38 @@ class SpeculativeEngine:
 
         thread = threading.Thread(target=start, name="drafter-start", daemon=True)
         thread.start()
-        self._starting = (thread, reqs, outcome)
+        self._starting.append((thread, reqs, [len(r.out) for r in reqs], outcome, self.proposer_failures))
 
-    def _finish_starts(self) -> None:
-        """Waits for a Start sent by `_start_later` (before any other drafter call; at the latest
-        right after the round's target pass) and handles its outcome as a Start before the round
-        would be: the sequences draft from the next round on, or run without the drafter."""
-        if self._starting is None:
-            return
-        thread, reqs, outcome = self._starting
-        self._starting = None
+    def _finish_starts(self, wait: bool = True) -> None:
+        """Handles a Start sent by `_start_later` once it is done, as a Start before the round
+        would be: the sequences draft from the next round on (told the tokens committed since
+        the Start), or run without the drafter (refused, or the drafter failed meanwhile: the
+        fallback takes them). wait=False (after a round's pass, and before a round) leaves one
+        still under way for later: its sequences decode plainly meanwhile, as they would anyway
+        with speculation off, instead of the loop waiting for the drafter's prefill."""
+        pending, self._starting = self._starting, []
+        for start in pending:
+            if wait or not start[0].is_alive():
+                self._finish_start(*start)
+            else:
+                self._starting.append(start)
+
+    def _finish_start(self, thread: threading.Thread, reqs: list[Request], sent: list[int], outcome: dict,
+                      failures: int) -> None:
         t0 = time.perf_counter()
         thread.join()
-        self.times.add("start", time.perf_counter() - t0)  # only the part not hidden by the round
+        self.times.add("start", time.perf_counter() - t0)  # only the part not hidden by the rounds
         error = outcome.get("error")
         live = [r for r in reqs if r in self.running]
+        if failures != self.proposer_failures:  # the drafter failed meanwhile: the fallback takes them
+            self._start_drafting_many(live)
+            return
         if error is None:
             self.deferred_starts += len(reqs)
-            for req in reqs:
+            for req, n in zip(reqs, sent):
                 if req in live:
-                    req.unsent, req.via = [], "draft_model"
-                else:  # finished during the round: the drafter started it all the same
+                    req.unsent, req.via = req.out[n:], "draft_model"
+                else:  # finished meanwhile: the drafter started it all the same
                     self._to_release.append(("draft_model", req.id))
             return
         if not isinstance(error, (CapacityError, ValueError)):
@@ -630,7 +643,7 @@ class SpeculativeEngine:
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
         t_join = time.perf_counter()
-        self._finish_starts()  # (before this round's tokens are counted as not sent to the drafter)
+        self._finish_starts(wait=False)  # (before this round's tokens are counted as not sent to the drafter)
         t_join = time.perf_counter() - t_join  # ("start", not the round's "rest")
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
@@ -724,8 +737,6 @@ class SpeculativeEngine:
                     and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
             if not rows:
                 continue
-            if name == "draft_model":
-                self._finish_starts()  # a Start sent during the round goes first
             t0 = time.perf_counter()
             try:
                 proposed = proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i],
