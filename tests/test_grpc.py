@@ -420,3 +420,48 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
                     engine.step()
         finally:
             server.stop(0)
+
+
+def test_a_start_under_way_when_the_drafter_fails_goes_to_the_fallback():
+    """The drafter fails (here: the stream breaks under a running sequence's drafts) while a
+    deferred Start of a joining sequence is still under way on the old connection. The Start
+    itself succeeds, but once it is taken up its sequence goes to the fallback with the others
+    (it is not counted as started on the drafter), and every output stays plain decoding's."""
+    import threading
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+
+    target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False)
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}")
+        engine = SpeculativeEngine(ModelRunner(target, slots=4), remote, eos_ids=set(), speculation="adaptive",
+                                   max_k=4, ngram=True)
+        engine.policy.choose = lambda limits, *_: [0] * len(limits)  # speculation off: Starts are deferred
+        engine.policy.on = False
+        first = engine.submit([1, 2, 3], 60, SamplingParams(), k=4)
+        while not first.drafting:
+            engine.step()
+        go = threading.Event()
+        start_many = remote.start_many
+        remote.start_many = lambda items: (go.wait(10), start_many(items))
+        joined = engine.submit([4, 5, 6], 40, SamplingParams(), k=4)
+        engine.step()
+        assert len(engine._starting) == 1 and not joined.drafting
+        engine.policy.choose = lambda limits, *_: list(limits)  # speculation on: the first one drafts
+        engine.step()  # (its drafts on the stream, and the next ones asked for early)
+        remote.client.stream.replies.cancel()
+        engine.step()  # the early drafts' answer: the stream is gone
+        assert engine.degraded is not None and engine._starting and not joined.drafting
+        go.set()
+        engine._starting[0][0].join(10)
+        engine.step()
+        assert not engine._starting and joined.drafting and engine.deferred_starts == 1  # the first one only
+        while not (first.done.is_set() and joined.done.is_set()):
+            engine.step()
+        assert first.result().token_ids == plain.generate([1, 2, 3], 60, SamplingParams(), 0).token_ids
+        assert joined.result().token_ids == plain.generate([4, 5, 6], 40, SamplingParams(), 0).token_ids
+    finally:
+        server.stop(0)
