@@ -362,10 +362,10 @@ class SpeculationPolicy:
         b = len(limits)
         prior = self.engine_acceptance.rate(PRIOR_ACCEPTANCE, weight=1.0)
         scales = [a.rate(prior) / max(prior, 1e-6) for a in acceptance]
-        position_rates = self.positions.rates(max(limits), PRIOR_ACCEPTANCE)
+        top = max(limits)
+        position_rates = self.positions.rates(top, PRIOR_ACCEPTANCE)
         used = {p for p, lim in zip(proposers, limits) if lim}
         hit = {p: self.hit_rate(p) for p in used}
-        top = max(limits)
         # per k: expected tokens (1 + sum_{j<=k} prod_{l<=j} min(1, a_l * s_i) per row, a row drafting
         # min(k, its limit)), and P(every row of p finds its draft ready): one pass over each row's positions
         tokens_by_k = [0.0] * (top + 1)
