@@ -172,6 +172,9 @@ class FastLlama:
         self.lm_head = model.lm_head.weight
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
+        # a constant of the model, as a plain bool: compiled with dynamic shapes, `kv_heads != heads`
+        # becomes a SymBool, which SDPA refuses, and the whole pass then fell back to eager
+        self._sdpa_kwargs = {"enable_gqa": True} if self.kv_heads != self.heads else {}
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.max_length = cfg.max_position_embeddings
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -302,7 +305,7 @@ class FastLlama:
                 keys = torch.where(below, kb[parent_idx, :, :span], keys)
                 values = torch.where(below, vb[parent_idx, :, :span], values)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               enable_gqa=self.kv_heads != self.heads)
+                                               **self._sdpa_kwargs)
             x = x + self._linear(o.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
             mlp = layer.mlp
             h = self._rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
