@@ -1,0 +1,60 @@
+"""Diagnostic (prints, writes no result file): the demo pair's passes eager against compiled
+(`compile=True`: torch.compile of the layer stack, dynamic shapes, inductor on this CPU), one torch
+thread, median ms of 100 passes, two rounds alternating: the target's width-1 and width-5 passes,
+four drafter passes, and four drafter passes then a target width-5 pass (an in-process
+speculative round's model work). Compiling takes 30-50 s per model on a cold inductor cache.
+Made the compiled-forward figures in README.md and docs/benchmarks/README.md:
+
+    .venv/bin/python benchmarks/diagnostics/compiled_vs_eager.py [models/demo]
+"""
+import statistics, sys, time
+import torch
+torch.set_num_threads(1)
+from specserve.core.runner import ModelRunner
+
+models = sys.argv[1] if len(sys.argv) > 1 else "models/demo"
+
+
+def median_ms(fn, n=100):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+runners = {}
+for name in ("drafter", "target"):
+    for compiled in (False, True):
+        t0 = time.time()
+        r = ModelRunner.from_pretrained(f"{models}/{name}", name=name, slots=8, compile=compiled)
+        r.warmup(widths=(1, 5))
+        r.prefill(list(range(1, 65)))
+        runners[name, compiled] = r
+        print(f"{name} {'compiled' if compiled else 'eager'}: loaded and warmed up in {time.time() - t0:.1f} s",
+              flush=True)
+
+
+def target_pass(r, width):
+    def run():
+        r.score_batch([(0, list(range(5, 5 + width)))], last_only=width == 1)
+        r.rollback(width)
+    return run
+
+
+def drafter_passes(r):
+    def run():
+        for _ in range(4):
+            r.score_batch([(0, [5])], last_only=True)
+        r.rollback(4)
+    return run
+
+
+for rep in range(2):
+    for compiled in (False, True):
+        t, d = runners["target", compiled], runners["drafter", compiled]
+        both = lambda: (drafter_passes(d)(), target_pass(t, 5)())
+        print(f"{'compiled' if compiled else 'eager   '}: target width 1 {median_ms(target_pass(t, 1)):.2f}, "
+              f"width 5 {median_ms(target_pass(t, 5)):.2f} | 4 drafter passes {median_ms(drafter_passes(d)):.2f} | "
+              f"4 drafter passes + target width 5 {median_ms(both):.2f}", flush=True)
