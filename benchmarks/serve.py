@@ -374,12 +374,9 @@ def measure_costs(target: str, drafter: str | None, batches: list[int], k: int, 
     return costs
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def pair_tokens_per_s(costs: dict, b: int, alpha: float | None, k: int, new_tokens: float) -> float:
     """Model tokens/s of one pair running b sequences of `new_tokens` each (b = 0: idle)."""
+    from specserve.verifier.policy import expected_tokens
     if b == 0:
         return 0.0
     speculative = alpha is not None and k > 0 and costs["draft"]
