@@ -35,6 +35,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,14 @@ class FastLlama:
         emb = torch.cat([freqs, freqs], dim=-1)
         # computed once in float32 on the host, then kept on the model's device in its dtype
         self.cos, self.sin = (t.to(device=self.embed.device, dtype=self.embed.dtype) for t in (emb.cos(), emb.sin()))
+        half = self.head_dim // 2  # sin with its first half negated: see _rotate
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        # each layer's weights, looked up once (a module attribute costs a Python call per pass)
+        self.layer_weights = [
+            (l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.self_attn.q_proj.weight,
+             l.self_attn.k_proj.weight, l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
+             l.post_attention_layernorm.weight, l.post_attention_layernorm.variance_epsilon,
+             l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight) for l in inner.layers]
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
@@ -192,6 +201,7 @@ class FastLlama:
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
         # Eager on a CPU: pick each weight's GEMM layout by measurement (see GemmPlan)
         self.gemm = GemmPlan(self._weights(), plan_store) if not compile and self.device.type == "cpu" else None
+        self._gemm_tables: dict[int, dict[int, Callable]] = {}  # row bucket -> {id(weight): x -> x @ w.T}
 
     def _weights(self) -> list[torch.Tensor]:
         out = [self.lm_head]
@@ -283,16 +293,16 @@ class FastLlama:
         b, t = ids.shape
         if fork is not None:  # [b, 1, span, 1]: key positions a branch row reads from its parent
             below = (torch.arange(span, device=ids.device)[None, :] < fork[:, None])[:, None, :, None]
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, t, d]
+        cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # [b, 1, t, d]
         # key j of a row is visible to query q when j <= the query's position
         mask = (torch.arange(span, device=ids.device)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
+        linear = self._linear_for(b * t)
         x = F.embedding(ids, self.embed)
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._rms(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q = self._linear(h, attn.q_proj.weight).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            k = self._linear(h, attn.k_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = self._linear(h, attn.v_proj.weight).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        for li, (ln1, eps1, wq, wk, wv, wo, ln2, eps2, wg, wu, wd) in enumerate(self.layer_weights):
+            h = self._rms(x, ln1, eps1)
+            q = linear(h, wq).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = linear(h, wk).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = linear(h, wv).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             kb, vb = kcache[li], vcache[li]
             kb[wslot, :, wpos] = k.transpose(1, 2)  # [b, t, kv_heads, d] written at (slot, position)
@@ -306,27 +316,34 @@ class FastLlama:
                 values = torch.where(below, vb[parent_idx, :, :span], values)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                **self._sdpa_kwargs)
-            x = x + self._linear(o.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
-            mlp = layer.mlp
-            h = self._rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            x = x + self._linear(F.silu(self._linear(h, mlp.gate_proj.weight)) * self._linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
+            x = x + linear(o.transpose(1, 2).reshape(b, t, -1), wo)
+            h = self._rms(x, ln2, eps2)
+            x = x + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
         x = x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, L, d]: the positions asked for
         x = self._rms(x, self.norm_w, self.eps)
-        return self._linear(x, self.lm_head).float()
+        return self._linear_for(b * last.shape[1])(x, self.lm_head).float()
 
-    def _linear(self, x, w):
-        """x @ w.T. Eager on a CPU, in the layout `gemm_plan` measured fastest for this many rows."""
+    def _linear_for(self, rows: int) -> Callable:
+        """linear(x, w) = x @ w.T for inputs of `rows` rows. Eager on a CPU: in the layout `GemmPlan`
+        measured fastest for that many rows, each weight's product made once per row bucket;
+        compiled or on a GPU: F.linear."""
         if self.gemm is None:
-            return F.linear(x, w)
-        rows = x.numel() // x.shape[-1]
-        how = self.gemm.plan.get((tuple(w.shape), _rows_bucket(rows)), "linear")
+            return F.linear
+        bucket = _rows_bucket(rows)
+        table = self._gemm_tables.get(bucket)
+        if table is None:
+            table = self._gemm_tables[bucket] = {id(w): self._product(w, bucket) for w in self._weights()}
+        return lambda x, w: table[id(w)](x)
+
+    def _product(self, w, bucket: int) -> Callable:
+        how = self.gemm.plan.get((tuple(w.shape), bucket), "linear")
         if how == "transposed":  # [in, out] copy: x @ w_t
-            return x @ self.gemm.transposed[w.data_ptr()]
+            w_t = self.gemm.transposed[w.data_ptr()]
+            return lambda x: x @ w_t
         if how == "swapped":  # (w @ x.T).T, made row-major again: the plan was measured on row-major
             # inputs, and MKL is several times slower on some column-major ones (the next linear's)
-            return (w @ x.reshape(rows, -1).t()).t().contiguous().reshape(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w)
+            return lambda x: (w @ x.reshape(-1, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], w.shape[0])
+        return lambda x: F.linear(x, w)
 
     def _rms(self, x, w, eps):
         dtype = x.dtype
@@ -334,10 +351,11 @@ class FastLlama:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
     @staticmethod
-    def _rotate(x, cos, sin):
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rotate(x, cos, sin_signed):
+        """RoPE: x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1). Written as
+        (x2, x1) * (-sin1, sin2) (sin_signed): one roll instead of two slices, a negation and a
+        concatenation, and the same bits ((-a) * b == a * (-b) exactly)."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
     # ---------------------------------------------------------------- compile
     def warmup(self, widths: tuple[int, ...] = (1, 5), branches: bool = False) -> float:
