@@ -5,7 +5,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.verifier.acceptance import accept, accept_batch
+from specserve.core.sampling import SamplingParams, warp
+from specserve.verifier.acceptance import accept, accept_batch, accept_greedy
 
 
 def first_token_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -160,3 +161,39 @@ def test_yield_formula(alpha, k):
     expected = (1 - alpha ** (k + 1)) / (1 - alpha)
     # per-round variance is bounded by (k+1)^2 / 4
     assert abs(total / n - expected) < 5 * (k + 1) / 2 / np.sqrt(n)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_shortcut_gives_the_full_rules_outcome(seed):
+    """accept_greedy on the logits equals accept_batch on warp's one-hot distributions, drafts
+    with and without q, ties (small integer logits: equal maxima in most rows) and -inf entries
+    included, for batches of mixed k (0 included)."""
+    rng = torch.Generator().manual_seed(seed)
+    V, B = 6, 40
+    ks = torch.randint(0, 5, (B,), generator=rng).tolist()
+    logits = [torch.randint(0, 3, (k + 1, V), generator=rng).float() for k in ks]
+    for lg in logits[::3]:
+        lg[:, 0] = float("-inf")  # a token the model rules out
+    greedy = SamplingParams()
+    drafts = []
+    for lg, k in zip(logits, ks):  # drafts that often agree with the argmax, and sometimes not
+        best = lg.argmax(-1).tolist()
+        drafts.append([best[i] if torch.rand(1, generator=rng).item() < 0.7 else int(torch.randint(0, V, (1,),
+                       generator=rng)) for i in range(k)])
+    qs = [None if b % 2 else (torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.long), V).float() * 0.6 + 0.4 / V
+                              if d else None) for b, d in enumerate(drafts)]
+    full = accept_batch(drafts, qs, [warp(lg, greedy) for lg in logits], [None] * B)
+    assert accept_greedy(drafts, logits) == full
+    assert all(o is not None for o in full)
+
+
+def test_the_greedy_shortcut_fails_a_row_with_nan_or_inf_logits_only():
+    ok = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, float("-inf")]])
+    nan, inf = ok.clone(), ok.clone()
+    nan[1, 2], inf[0, 0] = float("nan"), float("inf")
+    # draft 1 is the argmax at position 0 (kept), then the bonus is position 1's argmax, 0; the
+    # draft 2 is not (the argmax 1 is written instead)
+    assert accept_greedy([[1], [1], [1], [2]], [ok, nan, inf, ok]) == [(1, 0), None, None, (0, 1)]
+    assert accept_greedy([[]], [ok[:1]]) == [(0, 1)]  # plain decoding: the argmax
+    with pytest.raises(ValueError):
+        accept_greedy([[1, 2]], [ok])

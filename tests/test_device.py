@@ -49,7 +49,7 @@ def test_forward_and_warp_make_every_tensor_on_the_models_device():
 def test_a_whole_round_stays_on_the_device():
     """Drafting (k passes, drafts fed back from the device) and the batched acceptance rule, on
     `meta`: a stray host tensor is recorded, and a read back to the host would raise."""
-    from specserve.verifier.acceptance import accept_on_device
+    from specserve.verifier.acceptance import accept_on_device, greedy_on_device
 
     target_model = tiny_model("llama", 64, seed=3).to("meta")
     drafter = DraftModelProposer(ModelRunner(tiny_model("llama", 64, seed=4).to("meta"), slots=3))
@@ -67,7 +67,8 @@ def test_a_whole_round_stays_on_the_device():
         probs = [warp(scored[0], greedy), warp(scored[1], sampled)]
         q = [None, warp(torch.zeros(2, 64, device="meta"), sampled)]
         out = accept_on_device(drafts, q, probs, [None, None])
-    assert out.shape == (3, 2) and len(steps) == 3
+        greedy_out = greedy_on_device(scored)  # the greedy rows' shortcut
+    assert out.shape == (3, 2) and len(steps) == 3 and greedy_out.shape == (2, 7)
     assert audit.ops > 200 and not audit.strays, audit.strays[:10]
 
 

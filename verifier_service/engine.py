@@ -5,7 +5,8 @@
         choose k for every running sequence             (`policy.SpeculationPolicy`)
         draft up to k tokens for each                   (ONE batched call per proposer in use)
         score k+1 positions of every running sequence   (ONE batched target pass)
-        accept for every sequence at once (`accept_batch`: one device -> host transfer)
+        accept for every sequence at once (`_accept`: greedy rows from the argmax, sampled rows by
+            the full rule; one device -> host transfer each)
         a remote drafter is sent the outcome now, asking for the next round's drafts (`_send_early`)
         per sequence: roll its target slot back to the accepted prefix, emit, stop
         (the drafter rolls itself back on its next call, from the tokens it is told were committed)
@@ -47,7 +48,7 @@ from typing import Callable
 from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
-from specserve.verifier.acceptance import accept_batch
+from specserve.verifier.acceptance import accept_batch, accept_greedy
 from specserve.verifier.ngram import NgramProposer
 from specserve.verifier.policy import (CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, profile_drafter,
                                        profile_target)
@@ -633,12 +634,7 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
         # the acceptance rule for the whole round, on the target's device: one transfer back
-        positions = [len(r.prompt_ids) + len(r.out) for r in running]
-        outcomes = accept_batch(
-            [d.tokens for d in drafts], [d.probs for d in drafts],
-            [warp(lg, r.params) for r, lg in zip(running, logits)],
-            [None if r.params.greedy else request_generator(r.params.seed, "verify", pos, lg.device)
-             for r, pos, lg in zip(running, positions, logits)])
+        outcomes = self._accept(running, drafts, logits)
         t_pass = time.perf_counter() - t0
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
@@ -691,6 +687,28 @@ class SpeculativeEngine:
         self.times.rounds += 1
         self.times.add("pass", t_pass)
         self.times.add("rest", wall - before - t_pass - t_propose - t_join)
+
+    @staticmethod
+    def _accept(running: list[Request], drafts: list[Draft], logits: list) -> list:
+        """The acceptance rule for the round: greedy rows from the logits' argmax
+        (`accept_greedy`), sampled rows on their warped distributions (`accept_batch`), each
+        with its request's own random stream for this position. (num_accepted, next_token) or
+        None (non-finite logits) per row."""
+        outcomes: list = [None] * len(running)
+        greedy = [i for i, r in enumerate(running) if r.params.greedy]
+        sampled = [i for i, r in enumerate(running) if not r.params.greedy]
+        if greedy:
+            for i, o in zip(greedy, accept_greedy([drafts[i].tokens for i in greedy], [logits[i] for i in greedy])):
+                outcomes[i] = o
+        if sampled:
+            rows = [(running[i], drafts[i], logits[i]) for i in sampled]
+            for i, o in zip(sampled, accept_batch(
+                    [d.tokens for _, d, _ in rows], [d.probs for _, d, _ in rows],
+                    [warp(lg, r.params) for r, _, lg in rows],
+                    [request_generator(r.params.seed, "verify", len(r.prompt_ids) + len(r.out), lg.device)
+                     for r, _, lg in rows])):
+                outcomes[i] = o
+        return outcomes
 
     def _send_early(self, running: list[Request], committed: list, chosen: list[int]) -> dict[str, int]:
         """Sends the round's outcome (its committed tokens) of every sequence that drafted on a
