@@ -33,6 +33,42 @@ from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, co
 from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
 
 
+async def paced(queue: asyncio.Queue, interval_s: float):
+    """A request's ("tokens", [...]) items from its rounds, merged into messages at most one per
+    interval_s (the first at once; rounds that finish sooner after a message wait for the next,
+    which leaves when the interval is over or with the finish), then its ("done", request) item."""
+    loop = asyncio.get_running_loop()
+    pending = None
+    last_sent = float("-inf")
+    while True:
+        kind, item = pending or await queue.get()
+        pending = None
+        if kind != "tokens":
+            yield kind, item
+            return
+        deadline = last_sent + interval_s
+        while pending is None:
+            while not queue.empty():  # rounds that are ready (up to the finish): one message
+                nxt = queue.get_nowait()
+                if nxt[0] != "tokens":
+                    pending = nxt
+                    break
+                item = item + nxt[1]
+            hold = deadline - loop.time()
+            if pending is not None or hold <= 0:
+                break
+            try:  # too soon after the last message: the rounds until it is time go with it
+                nxt = await asyncio.wait_for(queue.get(), hold)
+            except asyncio.TimeoutError:
+                break
+            if nxt[0] != "tokens":
+                pending = nxt
+            else:
+                item = item + nxt[1]
+        yield kind, item
+        last_sent = loop.time()
+
+
 @serve.deployment
 class PairReplica:
     """One pair: this replica is the verifier (target + engine loop); its drafter actor sits in the
@@ -57,10 +93,16 @@ class PairReplica:
         self.engine = build_engine(cfg, self.drafter.address if self.drafter else None)
         self.engine.start()
         self.k = cfg.k if self.engine.proposers else 0
+        self.stream_interval_s = cfg.stream_interval_ms / 1000.0
 
     async def generate(self, request: dict):
-        """Streams {"token_ids": [...]} per round (rounds that finished while the last message was
-        on its way go in one), then {"finish_reason", "stats"} (or {"error"}).
+        """Streams {"token_ids": [...]} per round, then {"finish_reason", "stats"} (or {"error"}).
+        Messages go at most one per `stream_interval_ms`: rounds that finish sooner after the last
+        message (or while it was on its way) go in the next one, which leaves as soon as the
+        interval is over (the first at once, the last with the finish). Each message costs the
+        replica, the ingress and the client CPU time: at one token per round (plain decoding),
+        one message per round ran the HTTP path at 0.67x the pair's own speed on the reference
+        machine (docs/benchmarks/overhead.md).
         With request["coalesce"] (a non-streamed request without stop strings: nobody reads the
         rounds) the tokens come in the final message: one message per request, not per round."""
         from specserve.core.sampling import SamplingParams
@@ -86,17 +128,9 @@ class PairReplica:
             yield {"error": {"status": 503, "message": str(e)}}
             return
         finished = False
-        pending = None
         try:
-            while True:
-                kind, item = pending or await queue.get()
-                pending = None
+            async for kind, item in paced(queue, self.stream_interval_s):
                 if kind == "tokens":
-                    while not queue.empty():  # the stream fell behind the rounds: one message for all ready
-                        pending = queue.get_nowait()
-                        if pending[0] != "tokens":
-                            break
-                        item, pending = item + pending[1], None
                     yield {"token_ids": item}
                     continue
                 finished = True

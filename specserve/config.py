@@ -15,6 +15,7 @@ DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "mode
 PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SPECULATION_POLICIES = ("adaptive", "fixed")  # specserve.verifier.policy
+STREAM_INTERVAL_MS = 20.0  # the default: see README, "Streaming"
 
 
 @dataclass
@@ -41,6 +42,7 @@ class SpecServeConfig:
     dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
     q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
     compile: bool | str = "auto"  # torch.compile the forward: auto (on a GPU, where it pays), true, false
+    stream_interval_ms: float = STREAM_INTERVAL_MS  # a streamed request's messages from its pair: at most one per this long
 
     def __post_init__(self):
         def need(ok: bool, what: str):
@@ -71,6 +73,8 @@ class SpecServeConfig:
         need(self.request_timeout_s is None or (_is_number(self.request_timeout_s) and self.request_timeout_s > 0),
              "request_timeout_s must be null or a number > 0")
         need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
+        need(_is_number(self.stream_interval_ms) and 0 <= self.stream_interval_ms <= 1000,
+             "stream_interval_ms must be a number in [0, 1000]")
         need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")),
              f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),

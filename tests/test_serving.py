@@ -205,3 +205,39 @@ def test_fuzzed_bodies_never_5xx(server, body):
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _pace(interval_s: float, rounds: list[tuple[float, list[int]]], finish_after: float):
+    """Feeds ("tokens", ...) items at the given times (s from the start) and ("done", None) at
+    finish_after into `paced`; returns [(arrival s, kind, item)] of what it yields."""
+    from specserve.cluster.serve_app import paced
+
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for at, tokens in rounds:
+            loop.call_at(t0 + at, queue.put_nowait, ("tokens", tokens))
+        loop.call_at(t0 + finish_after, queue.put_nowait, ("done", None))
+        return [(loop.time() - t0, kind, item) async for kind, item in paced(queue, interval_s)]
+
+    return asyncio.run(run())
+
+
+def test_streamed_rounds_are_paced_into_messages_at_most_one_per_interval():
+    rounds = [(0.01 * i, [i]) for i in range(20)]  # a round every 10 ms
+    out = _pace(0.06, rounds, finish_after=0.195)
+    messages = [(t, item) for t, kind, item in out if kind == "tokens"]
+    assert out[-1][1] == "done" and [tok for _, item in messages for tok in item] == list(range(20))
+    assert messages[0] == (pytest.approx(0.0, abs=0.03), [0])  # the first at once
+    assert 3 <= len(messages) <= 5  # 200 ms at most one per 60 ms, not 20
+    gaps = [b - a for (a, _), (b, _) in zip(messages, messages[1:])]
+    assert min(gaps[:-1]) >= 0.055
+    # the finish does not wait for the interval: the last tokens leave with it, at once
+    assert out[-1][0] - out[-2][0] < 0.05 and out[-1][0] < 0.4
+
+
+def test_with_no_interval_every_round_is_its_own_message():
+    rounds = [(0.01 * i, [i]) for i in range(5)]
+    out = _pace(0.0, rounds, finish_after=0.08)
+    assert [item for _, kind, item in out if kind == "tokens"] == [[0], [1], [2], [3], [4]]
