@@ -18,8 +18,9 @@ def url(ray_session, tiny_pair_dir):
     serve.shutdown()  # a Serve left by another module keeps its own port
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # one streamed message per round (no pacing): the checks below read the rounds from the chunks
     args = {"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"], "k": 3,
-            "max_num_seqs": 4, "max_waiting": 16, "cpus_per_actor": 1}
+            "max_num_seqs": 4, "max_waiting": 16, "cpus_per_actor": 1, "stream_interval_ms": 0}
     serve.run(build_app(args), name="benchserve", route_prefix="/benchserve")
     yield f"http://127.0.0.1:{port}/benchserve"
     serve.delete("benchserve")
