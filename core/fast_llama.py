@@ -36,6 +36,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +162,20 @@ class GemmPlan:
         return out
 
 
+class _LayerWeights(NamedTuple):
+    ln1: torch.Tensor
+    eps1: float
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    ln2: torch.Tensor
+    eps2: float
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
 class FastLlama:
     def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False,
                  plan_store: str | None = None):
@@ -183,16 +198,17 @@ class FastLlama:
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         freqs = torch.outer(torch.arange(self.max_length, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        # computed once in float32 on the host, then kept on the model's device in its dtype
-        self.cos, self.sin = (t.to(device=self.embed.device, dtype=self.embed.dtype) for t in (emb.cos(), emb.sin()))
         half = self.head_dim // 2  # sin with its first half negated: see _rotate
-        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        sin_signed = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
+        # computed once in float32 on the host, then kept on the model's device in its dtype
+        self.cos, self.sin_signed = (t.to(device=self.embed.device, dtype=self.embed.dtype)
+                                     for t in (emb.cos(), sin_signed))
         # each layer's weights, looked up once (a module attribute costs a Python call per pass)
-        self.layer_weights = [
-            (l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.self_attn.q_proj.weight,
-             l.self_attn.k_proj.weight, l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
-             l.post_attention_layernorm.weight, l.post_attention_layernorm.variance_epsilon,
-             l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight) for l in inner.layers]
+        self.layer_weights = [_LayerWeights(
+            l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.self_attn.q_proj.weight,
+            l.self_attn.k_proj.weight, l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
+            l.post_attention_layernorm.weight, l.post_attention_layernorm.variance_epsilon,
+            l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight) for l in inner.layers]
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
@@ -204,12 +220,8 @@ class FastLlama:
         self._gemm_tables: dict[int, dict[int, Callable]] = {}  # row bucket -> {id(weight): x -> x @ w.T}
 
     def _weights(self) -> list[torch.Tensor]:
-        out = [self.lm_head]
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-                    m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
-        return out
+        """Every matrix the pass multiplies by."""
+        return [self.lm_head, *(w for lw in self.layer_weights for w in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down))]
 
     @property
     def device(self) -> torch.device:
