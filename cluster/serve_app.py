@@ -102,7 +102,7 @@ class PairReplica:
         interval is over (the first at once, the last with the finish). Each message costs the
         replica, the ingress and the client CPU time: at one token per round (plain decoding),
         one message per round ran the HTTP path at 0.67x the pair's own speed on the reference
-        machine (docs/benchmarks/overhead.md).
+        machine (docs/benchmarks/overhead_f09d900.md; paced at 20 ms, 0.83x: overhead.md).
         With request["coalesce"] (a non-streamed request without stop strings: nobody reads the
         rounds) the tokens come in the final message: one message per request, not per round."""
         from specserve.core.sampling import SamplingParams
