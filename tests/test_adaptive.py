@@ -1,6 +1,8 @@
 """Adaptive speculation and the n-gram proposer: the policy's choices, and exactness with k changing
 between rounds (greedy equals plain decoding; sampled tokens follow the target's distribution)."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -181,6 +183,39 @@ def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method)
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
     assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_a_pipelining_drafter_is_profiled_idle_between_calls():
+    """Each timed call of the startup profile waits until a pipelining drafter has had time to
+    prepare the round after the call before it (PROFILE_SETTLE times the call): back to back,
+    every call also waited for that preparation, and the profile put misses at twice their cost."""
+    from specserve.drafter.server import serve
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.policy import PROFILE_SETTLE
+
+    class Timed(RemoteProposer):
+        calls: list = []
+
+        def propose(self, items):
+            t0 = time.perf_counter()
+            out = super().propose(items)
+            self.calls.append((t0, time.perf_counter(), sum(i.k for i in items)))
+            return out
+
+    server, port, _ = serve(tiny_model("llama", V, seed=8, hidden=32, layers=1), host="127.0.0.1",
+                            pipeline=True, max_sequences=6)
+    try:
+        remote = Timed(f"127.0.0.1:{port}")
+        assert remote.prepares
+        SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=7), slots=4), remote, eos_ids=set(),
+                          speculation="adaptive", max_k=4)
+        drafting = [c for c in remote.calls if c[2]]
+        assert len(drafting) >= 12  # b = 1, 2, 4; k = 1, 4; warm-up + 2 timed each
+        for (s0, e0, _), (s1, _, _) in zip(drafting, drafting[1:]):
+            assert s1 - e0 >= PROFILE_SETTLE * (e0 - s0)
+        remote.client.close()
+    finally:
+        server.stop(0)
 
 
 def test_the_drafter_is_profiled_at_startup_for_every_batch_size():

@@ -50,8 +50,8 @@ from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
 from specserve.verifier.acceptance import accept_batch, accept_greedy
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import (CATCH_UP_TOKENS, Acceptance, PassCosts, SpeculationPolicy, profile_drafter,
-                                       profile_target)
+from specserve.verifier.policy import (CATCH_UP_TOKENS, PROFILE_SETTLE, Acceptance, PassCosts, SpeculationPolicy,
+                                       profile_drafter, profile_target)
 
 METHODS = ("draft_model", "ngram", "none")
 
@@ -279,7 +279,8 @@ class SpeculativeEngine:
             self.policy.costs = PassCosts(profile_target(target, self.max_num_seqs, max_k + 1))
             if proposer is not None:  # the drafter's on-demand calls too: no batch size starts blind
                 try:
-                    for b, fit in profile_drafter(proposer, target.vocab_size, self.max_num_seqs, max_k).items():
+                    for b, fit in profile_drafter(proposer, target.vocab_size, self.max_num_seqs, max_k,
+                                                  settle=PROFILE_SETTLE if proposer.prepares else 0.0).items():
                         self.policy.draft_costs[("draft_model", b)] = fit
                 except Exception as e:  # a drafter down now is noticed (and handled) on the first round
                     log.warning("could not profile the drafter: %s", e)

@@ -87,6 +87,7 @@ PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
 SETTLE_ROUNDS = 2  # plain rounds this soon after a drafting one neither calibrate nor time T(b, 1)
 PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before any is measured (weight 1)
+PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each call's time before the next
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -233,13 +234,19 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dic
     return grid
 
 
-def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps: int = 2) -> dict[int, DraftCosts]:
+def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps: int = 2,
+                    settle: float = 0.0) -> dict[int, DraftCosts]:
     """Times on-demand drafting calls on a grid, so that a batch size the policy has not seen yet
     does not start from a guess: b in powers of two up to max_batch, k in {1, max_k}. Each timed
     call is a miss, as on the critical path: it commits two tokens the drafter did not draft
-    (nothing pipelining prepared can match) and drafts k. Runs at startup on sequences of its own
-    (released after); returns {b: M(k) fitted to its calls}, up to the largest batch the proposer
-    took (a drafter with fewer free sequences stops the grid there)."""
+    (nothing pipelining prepared can match) and drafts k. settle: after each call, wait this many
+    times its duration, so that a pipelining drafter has finished preparing the next round (as it
+    has, at small batches, by the time a verification pass ends) before the next call; back to
+    back, every timed call also waited for the preparation the call before it started, and the
+    profile put a miss at k = 4 for one sequence at 12.1-12.6 ms, settled at 6.1-6.9, and the
+    misses of real rounds took 6.33 (median; benchmarks/diagnostics/profile_settle.py). Runs at startup on
+    sequences of its own (released after); returns {b: M(k) fitted to its calls}, up to the
+    largest batch the proposer took (a drafter with fewer free sequences stops the grid there)."""
     from specserve.core.proposer import CapacityError, ProposeItem
     from specserve.core.sampling import SamplingParams
 
@@ -264,6 +271,8 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
                     drafted = [d.tokens for d in out]
                     if rep:  # the first call of each k warms up
                         costs.observe(k, seconds)
+                    if settle:  # let a pipelining drafter finish preparing the next round first
+                        time.sleep(settle * seconds)
             fits[b] = costs
         finally:
             proposer.release_many(ids)
