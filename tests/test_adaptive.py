@@ -70,6 +70,22 @@ def test_policy_turns_speculation_off_under_load_with_hysteresis():
     assert SpeculationPolicy("fixed").choose([3, 0, 2], [Acceptance()] * 3, ["a", None, "a"]) == [3, 0, 2]
 
 
+def test_acceptance_is_estimated_per_proposer():
+    """A draft model's acceptance and the n-gram's are apart: rounds of one do not move the other's
+    expected tokens, and a batch holding both weighs each row by its own proposer's rates."""
+    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 * (b + w) for b in (1, 2) for w in (1, 5)}))
+    for _ in range(100):
+        policy.observe_acceptance(Acceptance(), 4, 4, "draft_model")
+        policy.observe_acceptance(Acceptance(), 4, 0, "ngram")
+    drafter, _ = policy.model_round([4], [Acceptance()], ["draft_model"])
+    ngram, _ = policy.model_round([4], [Acceptance()], ["ngram"])
+    assert drafter[4] > 4.5 and ngram[4] < 1.1  # 1 + about 4 accepted; 1 + about 0
+    both, _ = policy.model_round([4, 4], [Acceptance(), Acceptance()], ["draft_model", "ngram"])
+    assert both[4] == pytest.approx(drafter[4] + ngram[4])
+    state = policy.state()
+    assert state["engine_acceptance"]["draft_model"] > 0.95 > 0.05 > state["engine_acceptance"]["ngram"]
+
+
 def test_ready_drafts_make_drafting_cheap_only_where_they_happen():
     """A call whose drafts were prepared by pipelining costs H, one drafting on demand M(k): the
     policy weighs them by the chance that every row's draft is ready (all accepted x h)."""
@@ -77,8 +93,8 @@ def test_ready_drafts_make_drafting_cheap_only_where_they_happen():
     policy = SpeculationPolicy("adaptive", costs)
     good = [Acceptance(accepted=90.0, trials=100.0) for _ in range(8)]
     for _ in range(50):
-        policy.observe_acceptance(Acceptance(), 4, 4)  # the engine's positions: mostly all accepted
-        policy.observe_acceptance(Acceptance(), 4, 3)
+        policy.observe_acceptance(Acceptance(), 4, 4, "draft_model")  # the drafter's positions: mostly all accepted
+        policy.observe_acceptance(Acceptance(), 4, 3, "draft_model")
     for b in (1, 8):
         for k in (1, 4):
             policy.observe_draft("draft_model", b, k, 6e-3 * (k + 1) * b)  # on demand: 6 ms per drafter pass
@@ -276,8 +292,8 @@ def test_calibration_follows_round_times(slowdown):
         policy.observe_draft("draft_model", 1, k, 1e-3 * (1 + k))
     seq = Acceptance(accepted=85.0, trials=100.0)
     for _ in range(40):
-        policy.observe_acceptance(Acceptance(), 4, 4)
-        policy.observe_acceptance(Acceptance(), 4, 2)
+        policy.observe_acceptance(Acceptance(), 4, 4, "draft_model")
+        policy.observe_acceptance(Acceptance(), 4, 2, "draft_model")
     chosen = []
     for _ in range(200):
         k = policy.choose([4], [seq], ["draft_model"])[0]
@@ -376,12 +392,13 @@ def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas
         policy.observe_draft("draft_model", 5, k, 2e-3 * k)
     policy.observe_draft("draft_model", 5, 4, 1e-4, all_ready=True)
     for accepted in (4, 2, 0, 3, 4, 1):
-        policy.observe_acceptance(Acceptance(), 4, accepted)
+        policy.observe_acceptance(Acceptance(), 4, accepted, "draft_model")
     limits = [4, 2, 0, 1, 3]
     accs = [Acceptance(accepted=a, trials=10.0) for a in (9.0, 5.0, 0.0, 7.0, 2.0)]
     tokens, seconds = policy.model_round(limits, accs, ["draft_model", "draft_model", None, "draft_model", "draft_model"])
-    prior = policy.engine_acceptance.rate(0.7, weight=1.0)
-    rates = policy.positions.rates(4, 0.7)
+    overall, positions = policy.acceptance_of("draft_model")
+    prior = overall.rate(0.7, weight=1.0)
+    rates = positions.rates(4, 0.7)
     h = policy.hit_rate("draft_model")
     for k in range(5):
         want, ready = 0.0, 1.0

@@ -652,7 +652,7 @@ class SpeculativeEngine:
             num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
             req.stats.record(k, num_accepted, c, req.via)
-            self.policy.observe_acceptance(req.acceptance, k, num_accepted)
+            self.policy.observe_acceptance(req.acceptance, k, num_accepted, req.via)
             req.stats.num_pipeline_hits += draft.pipeline_hit
             if k and draft.prepared:
                 req.stats.num_prepared_rounds += 1
