@@ -35,3 +35,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def eventually(check, within_s: float = 5.0) -> bool:
+    """Whether check() comes true within the time (polled): for what a drafter applies a moment
+    after the call that asked for it returned (a Release is sent and not waited for)."""
+    import time
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

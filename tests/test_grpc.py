@@ -347,6 +347,47 @@ def test_a_release_never_waits_for_the_drafters_lock(stub):
     assert "to-go" not in servicer.inner.seqs and not servicer.to_release
 
 
+def test_a_release_is_not_waited_for_and_a_start_after_it_finds_it_applied(stub, monkeypatch, caplog):
+    """RemoteProposer sends a Release and goes on (the engine's loop does not wait for the
+    round trip); the next Start first reads its answer, so the drafter has the released
+    sequences gone before it starts new ones; a Release that fails is logged, not raised."""
+    import time
+
+    from specserve.verifier.client import RemoteProposer
+    servicer = stub[2]
+    remote = RemoteProposer(servicer.address)
+    remote.start_many([("r1", [1, 2, 3], SamplingParams()), ("r2", [4, 5], SamplingParams())])
+    real = servicer._drain_releases  # (what the Release handler calls before it answers)
+
+    def slow():
+        time.sleep(0.5)
+        real()
+
+    monkeypatch.setattr(servicer, "_drain_releases", slow)
+    t0 = time.monotonic()
+    remote.release_many(["r1", "r2"])
+    assert time.monotonic() - t0 < 0.25 and "r1.0" in servicer.inner.seqs  # sent, not applied yet
+    remote.start("r3", [6, 7], SamplingParams())
+    assert time.monotonic() - t0 >= 0.5  # the Start waited for the Release's answer
+    assert "r1.0" not in servicer.inner.seqs and "r2.0" not in servicer.inner.seqs and "r3.0" in servicer.inner.seqs
+    remote.release_many(["r3"])
+
+    def broken():
+        raise RuntimeError("the drafter broke")
+
+    remote.start("r4", [8], SamplingParams())  # (reads r3's answer first)
+    monkeypatch.setattr(servicer, "_drain_releases", broken)
+    with caplog.at_level("WARNING", logger="specserve.verifier.client"):
+        remote.release_many(["r4"])
+        remote._read_releases(wait=True)
+    assert "release of 1 sequences failed" in caplog.text
+    monkeypatch.setattr(servicer, "_drain_releases", real)
+    stub[0].Release(pb.ReleaseRequest(seq_ids=["r4.0"]), timeout=10)
+    stub[0].Info(pb.InfoRequest(), timeout=10)  # (the lock's next holder applies what is left)
+    assert not {"r1.0", "r2.0", "r3.0", "r4.0"} & servicer.inner.seqs.keys()
+    remote.client.close()
+
+
 def test_a_send_not_received_is_dropped_by_the_next_one(stub):
     """The engine does not wait for early drafts nobody takes (k went to 0 or up): the client then
     reads and drops them before the next call's answer, so `receive` returns that call's drafts."""

@@ -8,9 +8,13 @@ is set up per round, and a call can be sent now and collected later (`send`, the
 the engine sends a round's outcome as soon as acceptance is decided and does its bookkeeping
 while the drafter drafts. Start, Release and Info stay unary calls; before an Info every Propose
 in flight is collected, before a Release those carrying a released sequence (a Release never
-overtakes a Propose of the same sequence). A Start waits for none (its new sequences have none in
-flight) and touches only its own sequences, so the engine may send it from a helper thread while
-its loop proposes on the stream.
+overtakes a Propose of the same sequence). A Release is sent and not waited for: the drafter
+answers it at once, but the round trip cost the engine's loop 2-3 ms per Release at two
+sequences, the drafter's process busy with the other's work (benchmarks/diagnostics/k0_costs.py);
+its answer is read by the next Start (so a Start never overtakes a Release, and the drafter has
+the released slots back before it counts its free ones) or Release. A Start waits for no Propose
+(its new sequences have none in flight) and touches only its own sequences, so the engine may
+send it from a helper thread while its loop proposes on the stream.
 
 Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error or a missed
 deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
@@ -23,6 +27,7 @@ reclaimed there after their TTL) never sees an id twice.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -37,6 +42,8 @@ from specserve.core.sampling import SamplingParams
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import PROTOCOL_VERSION, q_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 MAX_MESSAGE_BYTES = 64 << 20
@@ -78,6 +85,10 @@ class DrafterClient:
 
     def call(self, method: str, request, tokens: int = 0):
         return getattr(self.stub, method)(request, timeout=deadline(method, tokens))
+
+    def call_later(self, method: str, request, tokens: int = 0) -> grpc.Future:
+        """Sends the call and returns at once; its future holds the answer."""
+        return getattr(self.stub, method).future(request, timeout=deadline(method, tokens))
 
     def send(self, request, tokens: int = 0) -> None:
         """Writes a ProposeRequest on the stream (opened now if there is none)."""
@@ -191,6 +202,8 @@ class RemoteProposer(Proposer):
         self._unanswered: deque[tuple[list[ProposeItem], list[int], bool]] = deque()  # (items, rounds, kept)
         self._kept: list[Draft] | None = None  # the drafts of the last `send`, once read
         self._lost: Exception | None = None  # a Propose's error read by a Start or Release, not yet raised
+        self._releases: list[tuple[grpc.Future, int]] = []  # Releases sent, answers not read (future, sequences)
+        self._releases_lock = threading.Lock()  # (a Start may come from a helper thread)
 
     def _wire_id(self, seq_id: str) -> str:
         return f"{seq_id}.{self.epoch}"
@@ -241,8 +254,10 @@ class RemoteProposer(Proposer):
         self.start_many([(seq_id, prompt_ids, params)])
 
     def start_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """One Start call for all (the drafter starts all or none); safe beside the loop's Proposes
-        on another thread (see the module's docstring)."""
+        """One Start call for all (the drafter starts all or none), after the answers to the
+        Releases sent before it; safe beside the loop's Proposes on another thread (see the
+        module's docstring)."""
+        self._read_releases(wait=True)
         self._call("Start", pb.StartRequest(items=[
             pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
             for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items), settle=False)
@@ -315,19 +330,40 @@ class RemoteProposer(Proposer):
         self.release_many([seq_id])
 
     def release_many(self, seq_ids: list[str]) -> None:
-        """One Release call. It waits for the Proposes in flight only if one of them carries a
-        released sequence (a Release never overtakes a Propose of its sequence); the drafter
-        answers a Release at once, so the engine's releases between rounds cost one round trip."""
+        """One Release call, sent and not waited for (its answer is read later, see the module's
+        docstring). It first reads the answers to the Proposes in flight if one of them carries
+        a released sequence (a Release never overtakes a Propose of its sequence)."""
         known = [s for s in seq_ids if self.rounds.pop(s, None) is not None]
         if not known:
             return
+        self._read_releases(wait=False)
         in_flight = {item.seq_id for items, _, _ in self._unanswered for item in items}
-        self._call("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]),
-                   settle=not in_flight.isdisjoint(known))
+        if not in_flight.isdisjoint(known):
+            self._settle()
+        future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
+        with self._releases_lock:
+            self._releases.append((future, len(known)))
+
+    def _read_releases(self, wait: bool) -> None:
+        """Reads the answers to the Releases sent (wait=False: those already in). A Release that
+        failed is logged: its sequences are reclaimed on the drafter after their TTL, and a
+        drafter that is gone fails the next Propose."""
+        with self._releases_lock:
+            sent, self._releases = self._releases, []
+            if not wait:
+                self._releases = [(f, n) for f, n in sent if not f.done()]
+                sent = [(f, n) for f, n in sent if f.done()]
+        for future, n in sent:
+            try:
+                future.result()
+            except grpc.RpcError as e:
+                log.warning("release of %d sequences failed: %s", n, self._error("Release", e))
 
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:
         self.rounds.clear()
+        with self._releases_lock:
+            self._releases = []  # (their sequences are reclaimed on the drafter after its TTL)
         self._unanswered.clear()
         self._kept = self._lost = None
         if self._reconnecting is None or not self._reconnecting.is_alive():
