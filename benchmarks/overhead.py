@@ -4,7 +4,9 @@
 - in process: `build_engine` with the drafter in the same process;
 - distributed: a `SpeculativePair` (verifier and drafter as Ray actors, drafts over gRPC);
 - served: the Serve app `specserve serve` runs (started here, on a local Ray), through the real
-  `openai` client, non-streamed and streamed.
+  `openai` client, non-streamed and streamed;
+- served, colocated: the same app with `colocate: true` (the drafter in the replica's process, no
+  drafter actor), speculative only.
 
 Each layer runs plain (`speculative.method = none`, k = 0) and speculative (the config's k and
 policy). Reports tokens/s per row (median of repeats) and served / in-process and served /
@@ -67,6 +69,9 @@ def _distributed(cfg: SpecServeConfig, max_tokens: int):
 
 @contextlib.contextmanager
 def _served(cfg: SpecServeConfig, max_tokens: int):
+    """The app as `specserve serve` runs it, and beside it (its own route) the app colocated."""
+    import dataclasses
+
     import openai
     from ray import serve
 
@@ -74,18 +79,24 @@ def _served(cfg: SpecServeConfig, max_tokens: int):
     from specserve.cluster.serve_app import build_app
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg.to_dict()), name="overhead", route_prefix="/")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    apps = {"": cfg, "colocated": dataclasses.replace(cfg, colocate=True)}
+    for name, app_cfg in apps.items():
+        serve.run(build_app(app_cfg.to_dict()), name=f"overhead{name}", route_prefix=f"/{name}")
     try:
         rows = {}
-        for mode in MODES:
-            extra = {"ignore_eos": True, **({"speculative": {"method": "none"}} if mode == "plain" else {})}
-            for stream in (False, True):
-                rows[f"{mode}{', streamed' if stream else ''}"] = lambda p, extra=extra, stream=stream: _complete(
-                    client, cfg.model, p, max_tokens, extra, stream)
+        for name in apps:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{name + '/' if name else ''}v1", api_key="none",
+                                   max_retries=0, timeout=600)
+            for mode in MODES[1:] if name else MODES:
+                extra = {"ignore_eos": True, **({"speculative": {"method": "none"}} if mode == "plain" else {})}
+                for stream in (False, True):
+                    row = f"{mode}{', streamed' if stream else ''}"
+                    rows[f"{name}, {row}" if name else row] = lambda p, client=client, extra=extra, stream=stream: \
+                        _complete(client, cfg.model, p, max_tokens, extra, stream)
         yield rows
     finally:
-        serve.delete("overhead")
+        for name in apps:
+            serve.delete(f"overhead{name}")
         serve.shutdown()
 
 
@@ -140,9 +151,13 @@ def bench(args) -> dict:
         for served in (mode, f"{mode}, streamed"):
             ratios[f"served ({served}) / in process"] = med[f"served: {served}"] / med[f"in process: {mode}"]
             ratios[f"served ({served}) / distributed"] = med[f"served: {served}"] / med[f"distributed: {mode}"]
+    for served in ("speculative", "speculative, streamed"):
+        ratios[f"served colocated ({served}) / in process"] = med[f"served: colocated, {served}"] / \
+            med["in process: speculative"]
     if peer:
         best = max(peer, key=peer.get)
-        for row in ("in process: speculative", "served: speculative", "served: speculative, streamed"):
+        for row in ("in process: speculative", "served: speculative", "served: speculative, streamed",
+                    "served: colocated, speculative"):
             ratios[f"{row.replace(': ', ' (', 1)}) / {best} (vLLM's best)"] = med[row] / peer[best]
     return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
@@ -177,7 +192,8 @@ def markdown(report: dict, command: str) -> str:
              f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, {report['max_tokens']} new tokens "
              f"each, greedy, ignore EOS, one request at a time, median of {report['repeats']} runs after a warm-up "
              "pass; every layer is up before any is timed, and the rows' runs are interleaved; one torch thread per model. In process: the engine with the drafter in the same process. "
-             "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client.", "",
+             "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client; "
+             "colocated: the same app with `colocate: true` (the drafter in the replica's process).", "",
              "| layer: mode | tokens/s | runs |", "|---|---|---|"]
     for row, tps in report["tokens_per_s"].items():
         lines.append(f"| {row} | {tps:.1f} | {', '.join(f'{r:.1f}' for r in report['runs'][row])} |")

@@ -1,5 +1,6 @@
 """One speculative pair on Ray: a drafter actor and a verifier actor, placed in a placement group
-with one bundle each (one GPU each on GPU clusters), talking gRPC.
+with one bundle each (one GPU each on GPU clusters), talking gRPC; or, with `colocate`, the
+verifier actor alone with the drafter in its process (one bundle).
 
     pair = SpeculativePair(target_path, drafter_path, pipeline=True)
     result = pair.generate(prompt_ids, max_new_tokens=64, sampling=SamplingParams(), k=4)
@@ -62,7 +63,7 @@ class SpeculativePair:
 
         self.drafter = self.verifier = None  # the drafter's DrafterHandle; the verifier actor
         try:
-            if drafter is not None:
+            if cfg.drafter_actor:  # (colocated: the verifier actor loads the drafter itself)
                 self.drafter = start_drafter(cfg, strategy(DRAFTER_BUNDLE))
             bundle = bundles[TARGET_BUNDLE]
             self.verifier = VerifierActor.options(

@@ -72,7 +72,8 @@ async def paced(queue: asyncio.Queue, interval_s: float):
 @serve.deployment
 class PairReplica:
     """One pair: this replica is the verifier (target + engine loop); its drafter actor sits in the
-    replica's second placement-group bundle. Both are built by `specserve.builder`."""
+    replica's second placement-group bundle, or with `colocate` the drafter runs in this process.
+    Both are built by `specserve.builder`."""
 
     def __init__(self, config: dict):
         import torch
@@ -86,7 +87,7 @@ class PairReplica:
         torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
         self.drafter = None  # a DrafterHandle: restarted by Ray, or recreated, and found again
-        if cfg.drafter:
+        if cfg.drafter_actor:  # (colocated: build_engine loads the drafter in this process)
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
             self.drafter = start_drafter(cfg, strategy)

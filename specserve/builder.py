@@ -6,7 +6,7 @@ Every engine built here has the n-gram proposer too (the default without a draft
 fallback while the drafter is down) and the config's speculation policy.
 
 - `build_engine(cfg)`: in process, the target and (if any) the drafter in this process
-  (`specserve generate`, benchmarks, tests);
+  (`specserve generate`, benchmarks, tests, and a colocated pair's verifier: `colocate`);
 - `build_engine(cfg, drafter)`: the verifier's side of a distributed pair, drafting over gRPC
   (the Ray pair's verifier actor, each Serve replica); `drafter` is an address or a callable
   that finds it (again, after a failure: `DrafterHandle.address`);

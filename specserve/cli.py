@@ -158,7 +158,8 @@ def cmd_serve(args) -> int:
     from specserve.core.runner import ModelLoadError
 
     app_args = load_app_args(args.config)
-    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation"):
+    for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
+                "colocate"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-pairs", dest="num_pairs", type=int, default=None)
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
     s.add_argument("--no-speculation", action="store_true", help="plain decoding: no drafter and k = 0")
+    s.add_argument("--colocate", action="store_const", const=True, default=None,
+                   help="the drafter in each verifier's process and device (no drafter actor, no gRPC)")
     s.add_argument("--speculation", choices=["adaptive", "fixed"], default=None,
                    help="the speculation policy (default: adaptive)")
     add_device_args(s, default=None)

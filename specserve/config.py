@@ -27,6 +27,7 @@ class SpecServeConfig:
     speculation: str = "adaptive"  # adaptive: the policy picks k <= this per round (0 when it does not pay); fixed: k
     pipeline: bool | str = True  # False, True (the default policy) or a name from PIPELINE_POLICIES
     fanout: int = 1  # with pipeline: outcomes the drafter prepares per round and sequence (1: the main one; docs/benchmarks/distributed.md)
+    colocate: bool = False  # the drafter in the verifier's process and device (no drafter actor, no gRPC, no pipelining): one GPU per pair
     max_num_seqs: int = 8  # sequences batched together in each round, per pair
     max_waiting: int = 64  # queued requests per pair beyond which new ones are refused (HTTP 503)
     max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
@@ -60,6 +61,7 @@ class SpecServeConfig:
         need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
              f"pipeline must be true, false or one of {PIPELINE_POLICIES}, got {self.pipeline!r}")
         need(_is_int(self.fanout) and 1 <= self.fanout <= 16, f"fanout must be an integer in [1, 16], got {self.fanout!r}")
+        need(isinstance(self.colocate, bool), f"colocate must be true or false, got {self.colocate!r}")
         need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")
         need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting must be an integer >= 0")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
@@ -105,21 +107,27 @@ class SpecServeConfig:
         """torch threads of each actor."""
         return max(1, int(self.cpus_per_actor))
 
+    @property
+    def drafter_actor(self) -> bool:
+        """Whether the pair runs its drafter as an actor of its own (over gRPC)."""
+        return self.drafter is not None and not self.colocate
+
     def gpu(self) -> bool:
         """Whether each actor takes a GPU: `use_gpu`, or when unset, whether the Ray cluster this
-        process is connected to has at least two GPUs (one per actor of a pair)."""
+        process is connected to has a GPU for each actor of a pair (two; one when colocated)."""
         if self.use_gpu is not None:
             return self.use_gpu
         import ray
-        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 2 * self.gpus_per_actor
+        actors = 2 if self.drafter_actor else 1
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= actors * self.gpus_per_actor
 
     def bundle(self) -> dict:
         """One actor's placement-group bundle."""
         return {"CPU": self.cpus_per_actor, **({"GPU": self.gpus_per_actor} if self.gpu() else {})}
 
     def bundles(self) -> list[dict]:
-        """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter)."""
-        return [self.bundle(), self.bundle()] if self.drafter else [self.bundle()]
+        """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter actor)."""
+        return [self.bundle(), self.bundle()] if self.drafter_actor else [self.bundle()]
 
     # Serve's limits, from the engine's: every sequence that may run or wait gets in, plus room
     # for /health, /metrics and cancellations; beyond that a prompt 503, never an unbounded queue.

@@ -75,6 +75,7 @@ APP_ARGS = {
     "k": (int,),
     "pipeline": (bool,),
     "fanout": (int,),
+    "colocate": (bool,),
     "max_num_seqs": (int,),
     "max_waiting": (int,),
     "max_model_len": (int, type(None)),
@@ -574,6 +575,13 @@ def test_serve_config_validates_with_ray_schema(path):
 
 def test_app_args_are_the_config_fields():
     assert set(APP_ARGS) == {f.name for f in dataclasses.fields(SpecServeConfig)}
+
+
+def test_a_colocated_pair_has_one_bundle_and_colocate_is_checked():
+    assert SpecServeConfig(colocate=True, use_gpu=True).bundles() == [{"CPU": 1.0, "GPU": 1.0}]
+    assert len(SpecServeConfig(use_gpu=True).bundles()) == 2
+    with pytest.raises(ValueError, match="colocate must be true or false"):
+        SpecServeConfig.from_dict({"colocate": "yes"})
 
 
 def test_serve_configs_agree():

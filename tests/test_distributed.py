@@ -118,6 +118,31 @@ def test_actors_get_different_gpus(ray_session, pairs):
         pair.shutdown()
 
 
+def test_a_colocated_pair_drafts_in_its_verifier_and_stays_exact(ray_session, pairs):
+    """colocate: one actor in one bundle (one GPU), the drafter loaded in its process: no drafter
+    actor, drafts made, and greedy output equal to plain decoding; sampled output seeded is
+    reproducible."""
+    import ray
+    target, drafter = pairs[0]
+    pair = SpeculativePair(target, drafter, colocate=True, use_gpu=True, cpus_per_actor=1, speculation="fixed")
+    try:
+        assert pair.drafter is None and pair.config.bundles() == [{"CPU": 1, "GPU": 1.0}]
+        assert len(ray.get(pair.verifier.accelerator_ids.remote())) == 1
+        rng = random.Random(5)
+        drafted = 0
+        for _ in range(3):
+            prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
+            n, k = rng.randint(8, 40), rng.randint(1, 6)
+            got = pair.generate(prompt, n, SamplingParams(), k)
+            assert got.token_ids == plain_greedy(target, prompt, n).token_ids, (prompt, k)
+            drafted += got.stats.num_draft_tokens
+        assert drafted > 0
+        sampled = [pair.generate([3, 4], 24, SamplingParams(temperature=0.9, seed=11), 3).token_ids for _ in range(2)]
+        assert sampled[0] == sampled[1]
+    finally:
+        pair.shutdown()
+
+
 def drafter_empties(pair, within_s: float = 10.0) -> bool:
     """Finished sequences are released on the drafter right after their round (outside the
     engine's locks), so the count reaches 0 a moment after the result."""

@@ -56,6 +56,28 @@ def test_completion_and_stream_agree(client):
     assert plain.model_extra["speculative"]["num_draft_tokens"] == 0
 
 
+def test_a_colocated_app_serves_the_same_text(server, client, tiny_pair_dir):
+    """`colocate: true`: each replica loads the drafter itself (no drafter actor): the same
+    greedy text as the pair of the main app, with drafts made, through the openai client."""
+    from ray import serve
+
+    from specserve.cluster.serve_app import build_app
+    args = {"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"], "k": 3,
+            "max_num_seqs": 2, "cpus_per_actor": 1, "colocate": True}
+    serve.run(build_app(args), name="colocated", route_prefix="/colocated")
+    try:
+        colocated = openai.OpenAI(base_url=server + "/colocated/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in ("def fibonacci(n):", "import os\n"):
+            got = colocated.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+            want = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+            assert got.model_extra["speculative"]["num_draft_tokens"] > 0
+        info = httpx.get(server + "/colocated/health", timeout=30)
+        assert info.status_code == 200
+    finally:
+        serve.delete("colocated")
+
+
 def test_token_id_prompt_and_seeded_sampling(client):
     a = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, temperature=0.8, seed=3)
     b = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, temperature=0.8, seed=3)
