@@ -5,7 +5,8 @@
    output equals plain decoding (parting only at a tie within rounding, as in tests/test_device.py),
    with in-process tokens/s, load time and peak GPU memory;
 2. runs the pair's two actors on that one GPU (`gpus_per_actor: 0.5`) and measures plain,
-   speculative (sequential) and pipelined tokens/s through Ray + gRPC;
+   speculative (sequential) and pipelined tokens/s through Ray + gRPC, and a colocated pair
+   (`colocate: true`: one actor, the drafter in its process, on the whole GPU);
 3. writes OUT.md and OUT.json (default docs/benchmarks/gpu).
 
     specserve bench gpu                 # on a machine with a GPU
@@ -82,8 +83,9 @@ def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> di
     target, drafter = str(DEFAULT_MODEL_DIR / "target"), str(DEFAULT_MODEL_DIR / "drafter")
     out = {}
     for name, drafter_path, pipeline, kk in (("plain", None, False, 0), ("speculative", drafter, False, k),
-                                             ("pipelined", drafter, True, k)):
-        pair = SpeculativePair(target, drafter_path, pipeline=pipeline, **fields)
+                                             ("pipelined", drafter, True, k), ("colocated", drafter, False, k)):
+        colocated = dict(colocate=True, gpus_per_actor=1.0) if name == "colocated" else {}
+        pair = SpeculativePair(target, drafter_path, pipeline=pipeline, **{**fields, **colocated})
         try:
             _tok_per_s(pair.generate, prompts[:1], 8, kk)  # warm-up
             out[f"{name}_tok_s"] = _tok_per_s(pair.generate, prompts, max_tokens, kk)
@@ -91,6 +93,7 @@ def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> di
             pair.shutdown()
     out["speculative_over_plain"] = out["speculative_tok_s"] / out["plain_tok_s"]
     out["pipelined_over_sequential"] = out["pipelined_tok_s"] / out["speculative_tok_s"]
+    out["colocated_over_plain"] = out["colocated_tok_s"] / out["plain_tok_s"]
     return out
 
 
@@ -107,10 +110,12 @@ def markdown(report: dict, command: str) -> str:
                      f"{r.get('peak_gpu_memory_mib', float('nan')):.0f} |")
     d = report["distributed"]
     lines += ["", f"Both actors on one device (gpus_per_actor 0.5), Ray + gRPC, {report['distributed_dtype']}:", "",
-              "| plain tok/s | speculative (sequential) tok/s | pipelined tok/s | spec / plain | pipelined / sequential |",
-              "|---|---|---|---|---|",
+              "| plain tok/s | speculative (sequential) tok/s | pipelined tok/s | spec / plain | pipelined / sequential "
+              "| colocated tok/s (one actor, whole device) | colocated / plain |",
+              "|---|---|---|---|---|---|---|",
               f"| {d['plain_tok_s']:.1f} | {d['speculative_tok_s']:.1f} | {d['pipelined_tok_s']:.1f} | "
-              f"{d['speculative_over_plain']:.2f} | {d['pipelined_over_sequential']:.2f} |", ""]
+              f"{d['speculative_over_plain']:.2f} | {d['pipelined_over_sequential']:.2f} | {d['colocated_tok_s']:.1f} | "
+              f"{d['colocated_over_plain']:.2f} |", ""]
     if report["dry_run"]:
         lines.insert(2, "**Dry run on the CPU** (the code path of the GPU check, small): no GPU figure here.\n")
     return "\n".join(lines)

@@ -138,4 +138,4 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     report = json.loads(open(out + ".json").read())
     assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
     assert report["in_process"][0]["greedy_equal"] == 1
-    assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined"))
+    assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
