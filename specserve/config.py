@@ -62,6 +62,8 @@ class SpecServeConfig:
              f"pipeline must be true, false or one of {PIPELINE_POLICIES}, got {self.pipeline!r}")
         need(_is_int(self.fanout) and 1 <= self.fanout <= 16, f"fanout must be an integer in [1, 16], got {self.fanout!r}")
         need(isinstance(self.colocate, bool), f"colocate must be true or false, got {self.colocate!r}")
+        need(not (self.colocate and self.fanout > 1),
+             "fanout > 1 needs a pipelining drafter actor: a colocated drafter (colocate: true) does not pipeline")
         need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")
         need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting must be an integer >= 0")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),

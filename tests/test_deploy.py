@@ -582,6 +582,8 @@ def test_a_colocated_pair_has_one_bundle_and_colocate_is_checked():
     assert len(SpecServeConfig(use_gpu=True).bundles()) == 2
     with pytest.raises(ValueError, match="colocate must be true or false"):
         SpecServeConfig.from_dict({"colocate": "yes"})
+    with pytest.raises(ValueError, match="does not pipeline"):
+        SpecServeConfig.from_dict({"colocate": True, "fanout": 3})
 
 
 def test_serve_configs_agree():
