@@ -16,7 +16,8 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import CATCH_UP_TOKENS, PROBE_EVERY, Acceptance, PassCosts, SpeculationPolicy, expected_tokens
+from specserve.verifier.policy import (CATCH_UP_TOKENS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, PassCosts,
+                                       SpeculationPolicy, expected_tokens)
 
 V = 96
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
@@ -356,16 +357,17 @@ def test_plain_rounds_right_after_drafting_ones_do_not_calibrate_or_time_plain_p
         for k in (1, 4):
             policy.observe_draft("draft_model", 1, k, 0.2 * k)  # now dear: off
     calibrates, timed = [], []
-    for _ in range(5):
+    rounds = SETTLE_ROUNDS + 3
+    for _ in range(rounds):
         assert policy.choose([4], [seq], ["draft_model"])[0] == 0
         calibrates.append(policy.predicted is not None)
         before = policy.costs(1, 1)
         policy.observe_pass(1, 1, 30e-3)  # slowed by the drafter's leftover work
         timed.append(policy.costs(1, 1) != before)
-    assert calibrates == [False, False, True, True, True]  # the first: k changed; the second: settling
-    assert timed == [False, False, True, True, True]
+    settled = [False] * SETTLE_ROUNDS + [True] * 3  # the first: k changed; then settling
+    assert calibrates == settled and timed == settled
     policy.choose([0], [seq], ["draft_model"])  # nobody may draft: a plain round, it counts as one
-    assert policy.since_drafted == 6
+    assert policy.since_drafted == rounds + 1
 
 
 def test_a_wide_pass_never_looks_cheaper_than_the_profile_says_against_a_narrow_one():

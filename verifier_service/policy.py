@@ -52,7 +52,10 @@ the round after k changed (its draft was never prepared), do not calibrate the m
 plain rounds within `SETTLE_ROUNDS` of a drafting round, whose pass (not measured either) runs
 beside the drafter's leftover work, the drafts and the preparation that round asked for: a cost
 of speculating, which charged to plain decoding made it look slower than it is and kept pulling
-the policy back to speculating (plain calibrations of 0.53-0.93 at 2-31 sequences); a
+the policy back to speculating (plain calibrations of 0.53-0.93 at 2-31 sequences). Two such
+rounds were too few: at two sequences the policy's T(2, 1) had come to 6.0 ms against 4.75 for
+a plain pair's pass, and it kept drafting (mean k 2.1-3.4) where fixed k = 4 lost to plain
+decoding; with eight it chose k = 0 there (mean k 0.13-0.19; docs/benchmarks/batching_ab.md); a
 calibration not re-measured drifts back towards 1 (RELAX per round), so one learnt in a bad spell
 (a busy machine) does not keep speculation off for good. While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
@@ -86,7 +89,7 @@ PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request
 MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
 PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
-SETTLE_ROUNDS = 2  # plain rounds this soon after a drafting one neither calibrate nor time T(b, 1)
+SETTLE_ROUNDS = 8  # plain rounds this soon after a drafting one neither calibrate nor time T(b, 1) (2 until stop 25)
 PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before any is measured (weight 1)
 PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each call's time before the next
 
