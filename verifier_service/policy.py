@@ -378,7 +378,7 @@ class SpeculationPolicy:
         top = max(limits)
         priors, position_rates = {}, {}  # per proposer: its acceptance, and per draft position
         for p in set(proposers):
-            overall, positions = self.acceptance_of(p)
+            overall, positions = self.acceptances.get(p) or (Acceptance(), PositionalAcceptance())  # (read only)
             priors[p] = overall.rate(PRIOR_ACCEPTANCE, weight=1.0)
             position_rates[p] = positions.rates(top, PRIOR_ACCEPTANCE)
         scales = [a.rate(priors[p]) / max(priors[p], 1e-6) for a, p in zip(acceptance, proposers)]
