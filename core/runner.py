@@ -52,13 +52,20 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ModelLoadError(f"unknown device {device!r}: {e}") from None
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on a GPU that supports it, float32 otherwise (a CPU is fastest and exact
-    in float32 here)."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
+    """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a target where the CPU
+    has bf16 matrix units (AMX; the products then run on prepacked weights, see
+    fast_llama.packed_bf16), float32 otherwise and for the drafter. Measured on the demo pair, one
+    thread (docs/benchmarks/dtype.md): the bfloat16 target was faster than float32 at every batch
+    and width, and its 5-wide verify pass cost about a 1-wide one; the small drafter at a few rows
+    is bound by per-call overhead, where float32 was the faster."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        from specserve.core.fast_llama import cpu_has_bf16_matrix_units
+        return torch.bfloat16 if role != "drafter" and cpu_has_bf16_matrix_units() else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -138,13 +145,13 @@ class ModelRunner:
         self.started = [False] * slots
 
     @classmethod
-    def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "float32",
+    def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
         and resolve_dtype). compile: True, False or "auto" (see resolve_compile)."""
         _check_dir(path)
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device, role=name)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception as e:

@@ -27,30 +27,34 @@ def pairs(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def plain_engine(target_path):
-    return SpeculativeEngine(ModelRunner.from_pretrained(target_path), None)
+def plain_engine(target_path, dtype="auto"):
+    return SpeculativeEngine(ModelRunner.from_pretrained(target_path, dtype=dtype), None)
 
 
-def plain_greedy(target_path, prompt, n):
-    return plain_engine(target_path).generate(prompt, n, SamplingParams(), 0)
+def plain_greedy(target_path, prompt, n, dtype="auto"):
+    return plain_engine(target_path, dtype).generate(prompt, n, SamplingParams(), 0)
 
 
 @pytest.mark.parametrize("pipeline,which", [(False, (0, 2)), (True, (1, 2))], ids=["sequential", "pipelined"])
 def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
     """Two pairs per mode (a pair up costs seconds here): a drafter unlike its target, and the
-    target as its own drafter (every draft accepted: the pipeline must hit)."""
+    target as its own drafter (every draft accepted: the pipeline must hit). That one runs both
+    models in float32: `dtype: auto` may give a CPU target bfloat16 and its drafter float32, and
+    then the two are no longer the same model."""
     for i in which:
         target, drafter = pairs[i]
+        dtype = "float32" if target == drafter else "auto"
         # fixed k: the pipeline-hit check needs consecutive drafted rounds, which the adaptive
         # policy does not promise on a loaded machine (output exactness is checked either way)
-        pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1, speculation="fixed")
+        pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
+                               dtype=dtype)
         try:
             rng = random.Random(i)
             for _ in range(4):
                 prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
                 n, k = rng.randint(1, 48), rng.randint(1, 6)
                 got = pair.generate(prompt, n, SamplingParams(), k)
-                want = plain_greedy(target, prompt, n)
+                want = plain_greedy(target, prompt, n, dtype)
                 assert got.token_ids == want.token_ids, (i, prompt, k)
                 assert got.finish_reason == want.finish_reason
                 assert got.stats.num_target_passes <= len(got.token_ids)

@@ -167,3 +167,40 @@ def test_adopting_a_branch_works_once_the_cache_has_grown():
     alone.prefill(prompt[:299] + [7, 8])
     assert runner.seq_length(0) == 301
     assert torch.allclose(runner.score([9], slot=0), alone.score([9]), atol=1e-5)
+
+
+def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
+    """On a CPU with bf16 matrix units, a bfloat16 FastLlama multiplies by prepacked weights: the
+    logits equal F.linear's bit for bit, and a position scores the same bits in a 1-, 2-, 5- (next
+    to another sequence) or 9-wide pass, so a verify pass agrees exactly with plain decoding.
+    Elsewhere (and for float32 weights) nothing is packed."""
+    from specserve.core.fast_llama import FastLlama, cpu_has_bf16_matrix_units, packed_bf16
+    from specserve.config import DEFAULT_MODEL_DIR
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR / "target"), dtype=torch.bfloat16)
+    assert packed_bf16([model.lm_head.weight.float()]) is None
+    fast = FastLlama(model, slots=2)
+    if not cpu_has_bf16_matrix_units():
+        assert fast.packed is None
+        pytest.skip("this CPU has no bf16 matrix units (AMX): nothing is packed")
+    assert fast.packed is not None and fast.gemm is None
+    g = torch.Generator().manual_seed(0)
+    prompt, cont = torch.randint(1, 8000, (70,), generator=g).tolist(), torch.randint(1, 8000, (9,), generator=g).tolist()
+
+    def scored(width: int, packed: bool) -> torch.Tensor:
+        saved = fast.packed
+        fast.packed = saved if packed else None
+        try:
+            fast.cache.reset(0), fast.cache.reset(1)
+            fast.forward([prompt], [0]), fast.forward([prompt[:50]], [1])
+            outs = [fast.forward([cont[i:i + width], prompt[50:51]], [0, 1])[0] if width == 5
+                    else fast.forward([cont[i:i + width]], [0])[0] for i in range(0, len(cont), width)]
+        finally:
+            fast.packed = saved
+        return torch.cat(outs)
+
+    one = scored(1, packed=True)
+    assert torch.equal(one, scored(1, packed=False))
+    for width in (2, 5, 9):
+        assert torch.equal(one, scored(width, packed=True)), f"width {width} scored different bits"
