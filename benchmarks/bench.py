@@ -88,7 +88,7 @@ def time_preparation(drafter_path: str, prompt: list[int], k: int, fanouts: list
     from specserve.drafter.pipeline import PipelinedProposer
     out = {}
     for f in fanouts:
-        runner = ModelRunner.from_pretrained(drafter_path, name="drafter", slots=f, dtype=dtype)
+        runner = ModelRunner.from_pretrained(drafter_path, name="drafter", role="drafter", slots=f, dtype=dtype)
         p = PipelinedProposer(DraftModelProposer(runner, branch_slots=f - 1), fanout=f)
         p.start("s", prompt, SamplingParams(seed=0))
         d = p.propose([ProposeItem("s", [], k)])[0]
@@ -181,7 +181,7 @@ def bench_distributed(args) -> dict:
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
     target = ModelRunner.from_pretrained(target_path, name="target", dtype=args.dtype)
-    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", dtype=args.dtype)
+    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", role="drafter", dtype=args.dtype)
     prompts = heldout_prompts(model_dir, args.prompts, args.prompt_tokens, target.tokenizer)
     plain = SpeculativeEngine(target, None)
     spec = SpeculativeEngine(target, DraftModelProposer(drafter))

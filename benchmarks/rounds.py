@@ -33,7 +33,7 @@ import sys, torch
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner
 from specserve.drafter.server import serve
-runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter")
+runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter", role="drafter")
 server, port, _ = serve(runner.model, port=0, pipeline=sys.argv[2] == "1")
 print(port, flush=True)
 sys.stdin.read()  # until the parent closes it
@@ -121,7 +121,7 @@ def bench(args) -> dict:
     target_path, drafter_path = f"{args.models}/target", f"{args.models}/drafter"
     target = ModelRunner.from_pretrained(target_path, name="target")
     prompts = heldout_prompts(Path(args.models), args.prompts, args.prompt_tokens, target.tokenizer)
-    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter")
+    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", role="drafter")
     servers = {p: DrafterProcess(drafter_path, p) for p in (False, True)}
     try:
         trips = round_trips(servers[False].address, args.round_trips)

@@ -366,7 +366,7 @@ def measure_costs(target: str, drafter: str | None, batches: list[int], k: int, 
             costs["target"][b] = {1: time_pass(t, b, 1, prompt, reps), k + 1: time_pass(t, b, k + 1, prompt, reps)}
         del t
         if drafter:
-            d = ModelRunner.from_pretrained(drafter, name="drafter", slots=max(batches))
+            d = ModelRunner.from_pretrained(drafter, name="drafter", role="drafter", slots=max(batches))
             costs["draft_prefill"] = time_prefill(d, prompt, reps)
             costs["draft"] = {b: time_pass(d, b, 1, prompt, reps) for b in batches}
     finally:

@@ -49,7 +49,8 @@ LENGTH_BUCKET = 64  # the attended length is rounded up to a multiple of this
 
 
 def supports(model) -> bool:
-    cfg = model.config
+    """Whether the lean forward represents this checkpoint exactly (a model or its config)."""
+    cfg = getattr(model, "config", model)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     return (cfg.model_type == "llama" and rope_type == "default" and getattr(cfg, "hidden_act", "silu") == "silu"
@@ -171,6 +172,20 @@ def cpu_has_bf16_matrix_units() -> bool:
         return False
 
 
+def packs_bf16(config) -> bool:
+    """Whether a bfloat16 model of this config gets the prepacked path on this CPU (eager lean
+    forward: see packed_bf16). The width of its attention products must be past oneDNN's size
+    floor: below 16^3 multiply-adds (heads x head_dim x the 64 keys of the shortest attended
+    length, at one query) torch's bf16 bmm takes a native kernel that sums in another order
+    than the oneDNN one a wider pass gets, and a position would no longer score the same bits at
+    every width. Models that small (the tests' tiny ones) run float32 under `dtype: auto`."""
+    if not supports(config) or not cpu_has_bf16_matrix_units():
+        return False
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim * LENGTH_BUCKET > 2 * 16 ** 3
+
+
 PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (results do not depend on it)
 
 
@@ -179,10 +194,10 @@ def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
     (not bfloat16, or no bf16 matrix units). F.linear in bfloat16 reorders its weight on every
     call, which for these small matrices costs more than the product. The packed product gives the
     same bits as F.linear, and, unlike float32 MKL, the same bits for a row whatever the number of
-    rows in the call, so a (k+1)-wide verify pass scores each position exactly as a one-token
-    pass does (tests/test_runner.py). Measured on the demo target, one thread
-    (docs/benchmarks/dtype.md): faster than float32 at every batch and width, and a 5-wide pass
-    about as fast as a 1-wide one."""
+    rows in the call; with the path's own attention (`FastLlama._attend_same_bits`) a (k+1)-wide
+    verify pass scores each position exactly as a one-token pass does (tests/test_runner.py).
+    Pass times against float32 on the demo pair: docs/benchmarks/dtype.md. The packed copies are
+    kept beside the model's own weights (twice a bfloat16 model's weight memory)."""
     if not weights or any(w.dtype != torch.bfloat16 for w in weights) or not cpu_has_bf16_matrix_units():
         return None
     reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -244,7 +259,10 @@ class FastLlama:
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
         # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU has bf16 matrix units
         # (see packed_bf16); otherwise each weight's GEMM layout picked by measurement (GemmPlan)
-        self.packed = packed_bf16(self._weights()) if not compile and self.device.type == "cpu" else None
+        self.packed = packed_bf16(self._weights()) \
+            if not compile and self.device.type == "cpu" and packs_bf16(cfg) else None
+        # the packed path's own attention (a position's bits independent of the pass's width)
+        self.exact_attention = self.packed is not None
         self.gemm = GemmPlan(self._weights(), plan_store) \
             if not compile and self.device.type == "cpu" and self.packed is None else None
         self._gemm_tables: dict[int, dict[int, Callable]] = {}  # row bucket -> {id(weight): x -> x @ w.T}
@@ -338,6 +356,7 @@ class FastLlama:
         cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # [b, 1, t, d]
         # key j of a row is visible to query q when j <= the query's position
         mask = (torch.arange(span, device=ids.device)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
+        hidden = ~mask if self.exact_attention else None  # keys a query may not see (see _attend_same_bits)
         linear = self._linear_for(b * t)
         x = F.embedding(ids, self.embed)
         for li, (ln1, eps1, wq, wk, wv, wo, ln2, eps2, wg, wu, wd) in enumerate(self.layer_weights):
@@ -356,14 +375,34 @@ class FastLlama:
             if fork is not None:
                 keys = torch.where(below, kb[parent_idx, :, :span], keys)
                 values = torch.where(below, vb[parent_idx, :, :span], values)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               **self._sdpa_kwargs)
+            o = self._attend_same_bits(q, keys, values, hidden) if hidden is not None else \
+                F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **self._sdpa_kwargs)
             x = x + linear(o.transpose(1, 2).reshape(b, t, -1), wo)
             h = self._rms(x, ln2, eps2)
             x = x + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
         x = x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, L, d]: the positions asked for
         x = self._rms(x, self.norm_w, self.eps)
         return self._linear_for(b * last.shape[1])(x, self.lm_head).float()
+
+    def _attend_same_bits(self, q, keys, values, hidden):
+        """Attention for the prepacked bfloat16 path: scores and the weighted sum as bfloat16
+        products (oneDNN, like the linears: a query's row comes out the same whatever the number
+        of queries or of masked keys after its own), the softmax in float32. SDPA's CPU kernel
+        does not keep those bits: with it, some positions scored in a 2-, 5- or 9-wide pass
+        differ from the same position scored alone (bench dtype's "packed, SDPA" row), and in
+        bfloat16 that moved greedy outputs (all four speculative rows of the ngram bench's edit
+        prompts parted from plain decoding)."""
+        if self.kv_heads != self.heads:
+            keys = keys.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            values = values.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        b, h, t, d = q.shape
+        span = keys.shape[2]
+        # packed first: a product over a strided slice of the cache took twice as long as copying
+        # the slice and multiplying (at 32 sequences, 0.83 against 0.17 + 0.22 ms for the scores)
+        k3, v3 = keys.reshape(b * h, span, d).contiguous(), values.reshape(b * h, span, d).contiguous()
+        scores = torch.bmm(q.reshape(b * h, t, d), k3.transpose(1, 2)).view(b, h, t, span)
+        scores = scores.float().mul_(self.head_dim ** -0.5).masked_fill_(hidden, float("-inf"))
+        return torch.bmm(scores.softmax(-1).to(q.dtype).view(b * h, t, span), v3).view(b, h, t, d)
 
     def _linear_for(self, rows: int) -> Callable:
         """linear(x, w) = x @ w.T for inputs of `rows` rows. Eager on a CPU: in the layout `GemmPlan`

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
 from specserve.core.fast_llama import FastLlama
@@ -52,20 +52,23 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ModelLoadError(f"unknown device {device!r}: {e}") from None
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
-    """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a target where the CPU
-    has bf16 matrix units (AMX; the products then run on prepacked weights, see
-    fast_llama.packed_bf16), float32 otherwise and for the drafter. Measured on the demo pair, one
-    thread (docs/benchmarks/dtype.md): the bfloat16 target was faster than float32 at every batch
-    and width, and its 5-wide verify pass cost about a 1-wide one; the small drafter at a few rows
-    is bound by per-call overhead, where float32 was the faster."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target",
+                  packs: bool = True) -> torch.dtype:
+    """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a target (role
+    "target") that the lean forward multiplies by prepacked bf16 weights (`packs`: see
+    fast_llama.packs_bf16), where the CPU has bf16 matrix units (AMX); float32 otherwise and for
+    the drafter (role "drafter"). Measured on the demo pair, one thread (docs/benchmarks/dtype.md):
+    the prepacked bfloat16 target was faster than float32 at every batch and width measured, and a
+    position scores the same bits at any width there, so greedy speculation stays exactly plain
+    decoding; the small drafter at one sequence is bound by per-call overhead, where float32 was
+    the faster."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         from specserve.core.fast_llama import cpu_has_bf16_matrix_units
-        return torch.bfloat16 if role != "drafter" and cpu_has_bf16_matrix_units() else torch.float32
+        return torch.bfloat16 if role == "target" and packs and cpu_has_bf16_matrix_units() else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -146,12 +149,23 @@ class ModelRunner:
 
     @classmethod
     def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "auto",
-                        device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False):
+                        device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False,
+                        role: str = "target"):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
-        and resolve_dtype). compile: True, False or "auto" (see resolve_compile)."""
+        and resolve_dtype; role "target" or "drafter" matters to "auto"). compile: True, False or
+        "auto" (see resolve_compile)."""
+        if role not in ("target", "drafter"):
+            raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
         _check_dir(path)
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device, role=name)
+        if dtype == "auto" and device.type == "cpu" and role == "target":
+            from specserve.core.fast_llama import packs_bf16
+            try:
+                config = AutoConfig.from_pretrained(path, local_files_only=True)
+            except Exception as e:  # transformers raises many types here
+                raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
+            dtype = resolve_dtype(dtype, device, role, packs=packs_bf16(config) and not resolve_compile(compile, device))
+        dtype = resolve_dtype(dtype, device, role)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception as e:

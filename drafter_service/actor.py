@@ -19,7 +19,7 @@ class DrafterActor:
 
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()
-        runner = ModelRunner.from_pretrained(model_path, name="drafter", device=device, dtype=dtype,
+        runner = ModelRunner.from_pretrained(model_path, name="drafter", role="drafter", device=device, dtype=dtype,
                                              compile=compile)  # its GPU, if it holds one
         host = ray.util.get_node_ip_address()  # this node's address only, never every interface
         self.server, self.port, self.servicer = serve(runner.model, host=host, port=port, pipeline=pipeline,

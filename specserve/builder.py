@@ -50,7 +50,7 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
                              f"({target.vocab_size})")
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
-        drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", slots=cfg.max_num_seqs,
+        drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", role="drafter", slots=cfg.max_num_seqs,
                                               device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
         drafter.warmup(widths=(1,))
         proposer = DraftModelProposer(drafter)

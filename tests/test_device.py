@@ -85,6 +85,7 @@ def test_device_and_dtype_resolution():
     from specserve.core.fast_llama import cpu_has_bf16_matrix_units
     amx = cpu_has_bf16_matrix_units()
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if amx else torch.float32)
+    assert resolve_dtype("auto", torch.device("cpu"), packs=False) == torch.float32
     assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ModelLoadError):
@@ -122,7 +123,10 @@ def test_greedy_speculation_is_exact_in_half_precision(dtype):
     from specserve.core.fast_llama import cpu_has_bf16_matrix_units
     bitwise = dtype == "bfloat16" and cpu_has_bf16_matrix_units()
     equal = 0
-    for prompt in heldout_prompts(DEFAULT_MODEL_DIR, 4, 48, target.tokenizer):
+    prompts = heldout_prompts(DEFAULT_MODEL_DIR, 4, 48, target.tokenizer)
+    if bitwise:  # and past the attended length's bucket boundaries (128, 192), where SDPA parted
+        prompts += heldout_prompts(DEFAULT_MODEL_DIR, 4, 120, target.tokenizer)
+    for prompt in prompts:
         a = spec.generate(prompt, 40, SamplingParams(), k=4)
         b = plain.generate(prompt, 40, SamplingParams(), k=0).token_ids
         assert a.stats.num_accepted_tokens > 0
@@ -147,3 +151,26 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
     assert report["in_process"][0]["greedy_equal"] == 1
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
+
+
+def test_auto_dtype_by_role_and_model(tmp_path):
+    """`dtype: auto` on a CPU, as the builder loads a pair: the demo target in bfloat16 exactly
+    where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX CPU), the drafter in
+    float32 always; a model too small for that path (the tests' tiny target) in float32."""
+    from transformers import AutoConfig
+
+    from specserve.builder import build_engine
+    from specserve.config import SpecServeConfig
+    from specserve.core.fast_llama import packs_bf16
+    from specserve.training.tiny import make_tiny_pair
+
+    engine = build_engine(SpecServeConfig(max_num_seqs=1, compile=False))
+    packs = packs_bf16(AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR / "target")))
+    assert engine.target.model.dtype == (torch.bfloat16 if packs else torch.float32)
+    assert (engine.target.fast.packed is not None) == packs
+    assert engine.proposers["draft_model"].runner.model.dtype == torch.float32
+    tiny_target, _ = make_tiny_pair(str(tmp_path))
+    assert not packs_bf16(AutoConfig.from_pretrained(tiny_target))
+    assert ModelRunner.from_pretrained(tiny_target).model.dtype == torch.float32
+    with pytest.raises(ValueError, match="role"):
+        ModelRunner.from_pretrained(tiny_target, role="verifier")

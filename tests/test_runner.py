@@ -170,8 +170,7 @@ def test_adopting_a_branch_works_once_the_cache_has_grown():
 
 
 def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
-    """On a CPU with bf16 matrix units, a bfloat16 FastLlama multiplies by prepacked weights: the
-    logits equal F.linear's bit for bit, and a position scores the same bits in a 1-, 2-, 5- (next
+    """On a CPU with bf16 matrix units, a bfloat16 FastLlama multiplies by prepacked weights, and a position scores the same bits in a 1-, 2-, 5- (next
     to another sequence) or 9-wide pass, so a verify pass agrees exactly with plain decoding.
     Elsewhere (and for float32 weights) nothing is packed."""
     from specserve.core.fast_llama import FastLlama, cpu_has_bf16_matrix_units, packed_bf16
@@ -186,7 +185,7 @@ def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
         pytest.skip("this CPU has no bf16 matrix units (AMX): nothing is packed")
     assert fast.packed is not None and fast.gemm is None
     g = torch.Generator().manual_seed(0)
-    prompt, cont = torch.randint(1, 8000, (70,), generator=g).tolist(), torch.randint(1, 8000, (9,), generator=g).tolist()
+    prompt, cont = None, None
 
     def scored(width: int, packed: bool) -> torch.Tensor:
         saved = fast.packed
@@ -200,7 +199,34 @@ def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
             fast.packed = saved
         return torch.cat(outs)
 
-    one = scored(1, packed=True)
-    assert torch.equal(one, scored(1, packed=False))
-    for width in (2, 5, 9):
-        assert torch.equal(one, scored(width, packed=True)), f"width {width} scored different bits"
+    linear = torch.ops.mkldnn._linear_pointwise
+    for w in fast._weights():  # the packed product: F.linear's bits
+        x = torch.randn(5, w.shape[1], generator=g).bfloat16()
+        assert torch.equal(linear(x, fast.packed[id(w)], None, "none", [], ""), torch.nn.functional.linear(x, w))
+    for n in (70, 125, 160):  # continuations crossing the attended length's 64-buckets
+        prompt, cont = torch.randint(1, 8000, (n,), generator=g).tolist(), torch.randint(1, 8000, (9,), generator=g).tolist()
+        one = scored(1, packed=True)
+        assert torch.allclose(one, scored(1, packed=False), atol=0.25)  # F.linear and SDPA: close, not the same bits
+        for width in (2, 5, 9):
+            assert torch.equal(one, scored(width, packed=True)), f"prompt {n}, width {width}: different bits"
+
+
+def test_the_packed_paths_attention_equals_sdpa_within_rounding():
+    """`FastLlama._attend_same_bits` (the prepacked bfloat16 path's attention, callable on any
+    CPU) against SDPA, on a tiny grouped-query Llama in float32: batched ragged rows, gathered
+    (out of order) slots, and a branch row reading its parent's prefix."""
+    from specserve.core.fast_llama import FastLlama
+    model = tiny_model("llama", 64, seed=6, hidden=64)  # 4 query heads over 2 key/value heads
+    seqs = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 7, 40)]
+    outs = {}
+    for exact in (False, True):
+        fast = FastLlama(model, slots=4)
+        fast.exact_attention = exact
+        for slot, s in zip((2, 0, 1), seqs):
+            fast.forward([s[:-3]], [slot])
+        got = fast.forward([s[-3:] for s in seqs], [2, 0, 1])
+        fast.cache.fork(3, 2, 60)  # slot 3 branches off slot 2 after 60 positions
+        got += fast.forward([seqs[0][60:64], seqs[1][-1:]], [3, 0])
+        outs[exact] = got
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.allclose(a, b, atol=1e-4)

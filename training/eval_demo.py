@@ -189,7 +189,7 @@ def evaluate(args) -> dict:
             log(f"sampled k={k}: acceptance {report['sampled'][str(k)]['acceptance_rate']:.3f}")
 
     if "compare" in sections:
-        other = ModelRunner.from_pretrained(args.compare_drafter, name="compare-drafter")
+        other = ModelRunner.from_pretrained(args.compare_drafter, name="compare-drafter", role="drafter")
         if not same_tokenizer(tok, other.tokenizer):
             raise ValueError(f"{args.compare_drafter}: tokenizer differs from the target's")
         cmp_engine = SpeculativeEngine(spec.target, DraftModelProposer(other))

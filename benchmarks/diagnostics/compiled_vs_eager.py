@@ -28,7 +28,7 @@ runners = {}
 for name in ("drafter", "target"):
     for compiled in (False, True):
         t0 = time.time()
-        r = ModelRunner.from_pretrained(f"{models}/{name}", name=name, slots=8, compile=compiled)
+        r = ModelRunner.from_pretrained(f"{models}/{name}", name=name, role=name, slots=8, compile=compiled)
         r.warmup(widths=(1, 5))
         r.prefill(list(range(1, 65)))
         runners[name, compiled] = r

@@ -24,7 +24,7 @@ from specserve.training.demo_pair import heldout_prompts
 from specserve.verifier.engine import SpeculativeEngine
 
 target = ModelRunner.from_pretrained("models/demo/target", name="target", slots=8)
-drafter = ModelRunner.from_pretrained("models/demo/drafter", name="drafter", slots=8)
+drafter = ModelRunner.from_pretrained("models/demo/drafter", name="drafter", role="drafter", slots=8)
 prompts = heldout_prompts(Path("models/demo"), 6, 64, target.tokenizer)
 SCRATCH = 7  # part 1's slot; the engines use slots 0-3
 target.prefill(prompts[0], slot=SCRATCH)

@@ -18,7 +18,7 @@ start_ray(num_cpus=4)
 m = Path("models/demo")
 prompts = heldout_prompts(m, 6, 64, load_tokenizer(str(m / "target")))
 pair = SpeculativePair(str(m/"target"), str(m/"drafter"), pipeline=False, cpus_per_actor=1, speculation="fixed")
-eng = SpeculativeEngine(ModelRunner.from_pretrained(str(m/"target")), DraftModelProposer(ModelRunner.from_pretrained(str(m/"drafter"))))
+eng = SpeculativeEngine(ModelRunner.from_pretrained(str(m/"target")), DraftModelProposer(ModelRunner.from_pretrained(str(m/"drafter"), role="drafter")))
 def show(name, t0, t1, wall):
     r = t1["rounds"] - t0["rounds"]
     print(name, "rounds", r, "wall ms/round %.2f" % (1e3*wall/r), {k: round(1e3*(t1["seconds"][k]-t0["seconds"][k])/r, 2) for k in t1["seconds"]})
