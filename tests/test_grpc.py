@@ -506,3 +506,39 @@ def test_a_start_under_way_when_the_drafter_fails_goes_to_the_fallback():
         assert joined.result().token_ids == plain.generate([4, 5, 6], 40, SamplingParams(), 0).token_ids
     finally:
         server.stop(0)
+
+
+def test_no_drafts_are_asked_for_early_after_a_probe_while_speculation_is_off():
+    """With the adaptive policy's speculation off, a round that drafts is a probe: the next round
+    drafts nothing, so its drafts are not asked for early (they would keep the drafter busy beside
+    the plain passes). A seeded sampled request drafts every round whatever the policy, and is
+    still asked for early. Output stays plain decoding's."""
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+    from specserve.verifier.policy import PROBE_EVERY, PassCosts
+
+    target, drafter = tiny_model("llama", V, seed=13), tiny_model("llama", V, seed=14, hidden=16, layers=1)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False, max_sequences=4)
+    try:
+        proposer = RemoteProposer(f"127.0.0.1:{port}")
+        engine = SpeculativeEngine(ModelRunner(target, slots=4), proposer, eos_ids=set(), speculation="adaptive",
+                                   max_k=4)
+        engine.policy.costs = PassCosts({(b, w): 1e-3 * w for b in (1, 2) for w in (1, 5)})
+        for b in (1, 2):
+            engine.policy.observe_draft("draft_model", b, 1, 10.0)  # drafting looks hopeless: off
+        sent = []  # {sequence id: k} of every round's early send
+        send_early = engine._send_early
+        engine._send_early = lambda *a: (lambda asked: (sent.append(asked) if asked else None, asked)[1])(send_early(*a))
+        greedy = engine.submit([1, 2, 3], 3 * PROBE_EVERY, SamplingParams(), k=4)
+        while not greedy.done.is_set():
+            engine.step()
+        assert sum(greedy.stats.rounds_by_k[1:]) >= 1 and not engine.policy.on  # a probe, and still off
+        assert sent == []
+        assert greedy.result().token_ids == plain.generate([1, 2, 3], 3 * PROBE_EVERY, SamplingParams(), 0).token_ids
+        seeded = engine.submit([4, 5], 12, SamplingParams(temperature=0.9, seed=1), k=4)
+        while not seeded.done.is_set():
+            engine.step()
+        assert seeded.stats.rounds_by_k[0] == 0 and sent and all(list(asked) == [seeded.id] for asked in sent)
+    finally:
+        server.stop(0)

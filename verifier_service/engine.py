@@ -717,13 +717,17 @@ class SpeculativeEngine:
         decided, asking for as many drafts as this round's k (k sticks: the policy changes it
         rarely). The drafter drafts while this round's bookkeeping and the next round's admission
         run; the next round takes these drafts where it wants no more of them (`_propose`).
-        Returns {sequence: k asked}."""
+        Returns {sequence: k asked}. Not for a sequence whose next round will draft nothing: with
+        the adaptive policy's speculation off, a round that drafted was a probe, and drafts asked
+        for after it would only keep the drafter busy beside the next plain passes (a seeded
+        sampled request drafts its k whatever the policy, so it still asks)."""
         proposer = self.proposers.get("draft_model")
         if proposer is None or not proposer.answers_later or self.degraded is not None:
             return {}
+        off = self.policy.mode == "adaptive" and not self.policy.on
         items = []
         for req, done, c in zip(running, committed, chosen):
-            if done is None or req.via != "draft_model" or not c:
+            if done is None or req.via != "draft_model" or not c or (off and not req.fixed_k):
                 continue
             emitted, stopped = done
             k = min(c, req.k, req.max_new_tokens - len(req.out) - len(emitted) - 1)
