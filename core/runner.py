@@ -158,16 +158,17 @@ class ModelRunner:
             raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
         _check_dir(path)
         device = resolve_device(device)
-        if dtype == "auto" and device.type == "cpu" and role == "target":
+        config, packs = None, True
+        if dtype == "auto" and device.type == "cpu" and role == "target":  # bf16 only where it packs
             from specserve.core.fast_llama import packs_bf16
             try:
                 config = AutoConfig.from_pretrained(path, local_files_only=True)
             except Exception as e:  # transformers raises many types here
                 raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
-            dtype = resolve_dtype(dtype, device, role, packs=packs_bf16(config) and not resolve_compile(compile, device))
-        dtype = resolve_dtype(dtype, device, role)
+            packs = packs_bf16(config) and not resolve_compile(compile, device)
+        dtype = resolve_dtype(dtype, device, role, packs=packs)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
         except Exception as e:
             raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
         return cls(model.to(device), load_tokenizer(path), name=name, slots=slots,
