@@ -178,7 +178,8 @@ def packs_bf16(config) -> bool:
     floor: below 16^3 multiply-adds (heads x head_dim x the 64 keys of the shortest attended
     length, at one query) torch's bf16 bmm takes a native kernel that sums in another order
     than the oneDNN one a wider pass gets, and a position would no longer score the same bits at
-    every width. Models that small (the tests' tiny ones) run float32 under `dtype: auto`."""
+    every width; the check keeps a factor 2 to spare. Models that small (the tests' tiny ones) run
+    float32 under `dtype: auto`."""
     if not supports(config) or not cpu_has_bf16_matrix_units():
         return False
     heads = config.num_attention_heads
