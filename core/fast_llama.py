@@ -29,6 +29,7 @@ length back.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -163,6 +164,7 @@ class GemmPlan:
         return out
 
 
+@functools.cache  # asked at every load and FastLlama; the CPU does not change
 def cpu_has_bf16_matrix_units() -> bool:
     """True on a CPU with AMX (bf16 tiles) that torch's oneDNN can use for bfloat16 GEMMs."""
     try:
@@ -399,7 +401,8 @@ class FastLlama:
         b, h, t, d = q.shape
         span = keys.shape[2]
         # packed first: a product over a strided slice of the cache took twice as long as copying
-        # the slice and multiplying (at 32 sequences, 0.83 against 0.17 + 0.22 ms for the scores)
+        # the slice and multiplying (at 32 sequences, 0.83 against 0.17 + 0.22 ms for the scores;
+        # benchmarks/diagnostics/bf16_products.py)
         k3, v3 = keys.reshape(b * h, span, d).contiguous(), values.reshape(b * h, span, d).contiguous()
         scores = torch.bmm(q.reshape(b * h, t, d), k3.transpose(1, 2)).view(b, h, t, span)
         scores = scores.float().mul_(self.head_dim ** -0.5).masked_fill_(hidden, float("-inf"))

@@ -8,6 +8,11 @@ on the drafter). Runs alternate, 3 of each; tokens/s and the engine loop's ms pe
 Made the "k = 0 costs" figures in docs/benchmarks/README.md:
 
     .venv/bin/python benchmarks/diagnostics/k0_costs.py 2
+
+With a second argument N the second pair catches up every N tokens instead of never (its name
+becomes "k0cN"): stop 26's A/B of CATCH_UP_TOKENS 16 against 64 at 8 and 16 sequences was
+
+    .venv/bin/python benchmarks/diagnostics/k0_costs.py 8 64   (and 16 64)
 """
 import sys, time, ray
 from pathlib import Path
@@ -17,21 +22,23 @@ from specserve.core.runner import load_tokenizer
 from specserve.core.sampling import SamplingParams
 from specserve.training.demo_pair import heldout_prompts
 C = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+CATCH = int(sys.argv[2]) if len(sys.argv) > 2 else None  # the second pair's catch-up interval (None: never)
+SECOND = "k0nocatch" if CATCH is None else f"k0c{CATCH}"
 m = Path("models/demo")
 prompts = heldout_prompts(m, 4 * C, 64, load_tokenizer(str(m / "target")))
 init_ray(4)
 pairs = {name: SpeculativePair(str(m/"target"), str(m/"drafter"), pipeline=True, cpus_per_actor=1, max_num_seqs=32,
                                max_waiting=32, speculation=sp)
-         for name, sp in (("k0", "adaptive"), ("k0nocatch", "adaptive"), ("plain", "fixed"))}
+         for name, sp in (("k0", "adaptive"), (SECOND, "adaptive"), ("plain", "fixed"))}
 def force0(self):
     self.engine.policy.choose = lambda limits, *a, **kw: [0] * len(limits)
     self.engine.policy.on = False  # (as with speculation off: new sequences start on the drafter beside the rounds)
 def nocatch(self):
     import specserve.verifier.engine as e
-    e.CATCH_UP_TOKENS = 10 ** 9
-for name in ("k0", "k0nocatch"):
+    e.CATCH_UP_TOKENS = 10 ** 9 if CATCH is None else CATCH
+for name in ("k0", SECOND):
     ray.get(pairs[name].verifier.__ray_call__.remote(force0))
-ray.get(pairs["k0nocatch"].verifier.__ray_call__.remote(nocatch))
+ray.get(pairs[SECOND].verifier.__ray_call__.remote(nocatch))
 for name, p in pairs.items():
     ray.get(p.submit(prompts[0], 64, SamplingParams(), 4 if name != "plain" else 0, ignore_eos=True))
 for rep in range(3):
