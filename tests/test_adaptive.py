@@ -414,3 +414,78 @@ def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas
         assert tokens[k] == pytest.approx(want, rel=1e-12)
         want_s = policy.costs(5, k + 1) + policy.draft_cost("draft_model", 5, k, ready) + policy.overhead.get((5, k > 0), 0.0)
         assert seconds[k] == pytest.approx(want_s, rel=1e-12)
+
+
+def _guarded_run(on_rate: float, off_rate: float, b: int, gain: float, rounds: int, seed: int | None = None):
+    """A policy whose model expects speculating to gain `gain` at b sequences (n-gram rows:
+    drafting free, positions accepted at 0.55) and rounds that really write on_rate tokens/s
+    while speculating (and settling after it), off_rate while not: the k chosen, round by round.
+    seed: drafting rounds write a random count (each sequence 1 + the drafts accepted, of 4 at
+    0.68 each), in the time that count takes at on_rate on average (so their rate is random)."""
+    rng = np.random.default_rng(seed)
+    alpha = 0.68
+    per_seq = [alpha ** a * (1 - alpha) for a in range(4)] + [alpha ** 4]  # P(a accepted), a = 0..4
+    mean = sum((a + 1) * p for a, p in enumerate(per_seq))
+    per_token = 1e-3  # T(b, w) grows with w so that the model's gain comes out as asked
+    base = PassCosts({(b, 1): per_token, (b, 5): per_token})
+    probe = SpeculationPolicy("adaptive", base)
+    for _ in range(200):
+        probe.observe_acceptance(Acceptance(), 4, 2, "ngram")
+    rows = [Acceptance() for _ in range(b)]
+    rates = probe.model_rates([4] * b, rows, ["ngram"] * b)
+    wide = per_token * max(rates[1:]) / rates[0] / gain  # T(b, best w) that gives `gain`
+    policy = SpeculationPolicy("adaptive", PassCosts({(b, 1): per_token, **{(b, w): wide for w in (2, 3, 4, 5)}}))
+    policy.acceptances = probe.acceptances
+    assert abs(max(policy.model_rates([4] * b, rows, ["ngram"] * b)[1:]) / policy.model_rates([4] * b, rows, ["ngram"] * b)[0] - gain) < 1e-6
+    chosen = []
+    for _ in range(rounds):
+        k = max(policy.choose([4] * b, rows, ["ngram"] * b))
+        chosen.append(k)
+        speculating = policy.round_mode
+        rate = on_rate if k or policy.since_drafted <= SETTLE_ROUNDS else off_rate
+        if seed is not None and k:
+            policy.observe_outcome(b, int(sum(1 + rng.choice(5, size=b, p=per_seq))), b * mean / rate)
+        else:
+            policy.observe_outcome(b, b, b / rate)  # b tokens (the count does not matter: the rate does)
+        assert speculating is None or speculating == (rate == on_rate)
+    return policy, chosen
+
+
+def test_the_guard_turns_speculation_off_where_plain_rounds_wrote_more():
+    """The model expects +15% from speculating at 8 sequences; the rounds say plain decoding writes
+    1.3x as much. The guard tries plain rounds once, vetoes speculation there for GUARD_HOLD
+    rounds (no probes either), then lets the model try again and vetoes for twice as long."""
+    from specserve.verifier.policy import GUARD_HOLD, GUARD_MIN_ROUNDS
+    policy, chosen = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.15, rounds=1200)
+    assert chosen[0] > 0  # the model's choice, before anything was measured
+    first = chosen.index(0)
+    assert first <= GUARD_MIN_ROUNDS + 2  # the trial of plain rounds, once speculating was measured
+    assert policy.guard.vetoes >= 2 and set(policy.guard.tried) == {policy.guard.bucket(8)}
+    vetoed = chosen[first:]
+    assert vetoed.count(0) / len(vetoed) > 0.9
+    runs = [i for i in range(first + 1, len(chosen)) if chosen[i] and not chosen[i - 1]]  # speculation resumed
+    assert runs and runs[0] - first >= GUARD_HOLD and (len(runs) == 1 or runs[1] - runs[0] >= 2 * GUARD_HOLD)
+    # the veto holds for larger batches too (they gain less from speculating), not for smaller ones
+    now = policy.rounds
+    assert policy.guard.vetoed(8, now) and policy.guard.vetoed(16, now) and policy.guard.vetoed(32, now)
+    assert not policy.guard.vetoed(4, now) and not policy.guard.vetoed(5, now)
+
+
+@pytest.mark.parametrize("b,gain,tried", [(8, 1.15, True), (1, 1.6, False)])
+def test_the_guard_leaves_speculation_on_where_it_wrote_more(b, gain, tried):
+    """Where speculating writes more than plain decoding, the guard never vetoes it; where the
+    model expects a clear gain (1.6x at one sequence), it does not even try plain rounds."""
+    policy, chosen = _guarded_run(on_rate=1500.0, off_rate=1000.0, b=b, gain=gain, rounds=400)
+    assert policy.guard.vetoes == 0
+    assert bool(policy.guard.tried) == tried
+    assert chosen.count(0) <= (25 if tried else 0)
+
+
+def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
+    """At one sequence a drafting round writes 1 to 5 tokens: over a few rounds its rate swings
+    widely. Speculating at 1.3x plain (random counts) against plain rounds: never vetoed, in any
+    of 20 seeds, while the guard has measured both (a low expected gain, so it tries plain rounds)."""
+    for seed in range(20):
+        policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=1, gain=1.1, rounds=600, seed=seed)
+        assert policy.guard.tried and policy.guard.rate(1, False) is not None
+        assert policy.guard.vetoes == 0, seed

@@ -271,6 +271,7 @@ class SpeculativeEngine:
         self.deferred_starts = 0  # sequences started that way
         self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
+        self._step_started = time.perf_counter()  # when the running step began (the guard times rounds from it)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
         if proposer is not None and proposer.prepares:
@@ -390,6 +391,7 @@ class SpeculativeEngine:
 
     def step(self) -> None:
         """One round for every running sequence."""
+        self._step_started = time.perf_counter()
         now = time.monotonic()
         with self.lock:
             for req in [r for r in self.waiting if r.cancelled or self._expired(r, now)]:
@@ -632,6 +634,7 @@ class SpeculativeEngine:
         drafts, t_draft = self._propose(running, chosen)
         t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]
+        written = 0
         t0 = time.perf_counter()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
         # the acceptance rule for the whole round, on the target's device: one transfer back
@@ -665,6 +668,7 @@ class SpeculativeEngine:
                 req.previous_accepted, req.previous_k = num_accepted, k
             emitted, stopped = done
             req.out += emitted
+            written += len(emitted)
             req.unsent = [] if req.id in early else req.unsent + emitted  # (early: already sent)
             req.pending = next_token
             req.chunks.append((time.monotonic(), len(emitted)))
@@ -685,6 +689,7 @@ class SpeculativeEngine:
         wall = time.perf_counter() - t_round + before
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
         self.policy.observe_round(wall)
+        self.policy.observe_outcome(len(running), written, time.perf_counter() - self._step_started)
         self.times.rounds += 1
         self.times.add("pass", t_pass)
         self.times.add("rest", wall - before - t_pass - t_propose - t_join)

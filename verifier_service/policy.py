@@ -61,6 +61,12 @@ calibration not re-measured drifts back towards 1 (RELAX per round), so one lear
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
 speculation resumes.
 
+Over the model sits a guard (`Guard`): what each mode really wrote per second of the engine loop,
+measured per batch size. Where speculating measured fewer tokens per second than plain decoding,
+it vetoes speculation there for a while (and tries plain rounds once where the model keeps
+speculation on with a small expected gain), so a model that is wrong about a load (in stop 26's
+runs it kept drafting at 4-16 sequences where every fixed-k row lost) is not wrong for long.
+
 The drafter's confidence can stop a draft early: the drafter cuts a draft before the first
 position whose distribution's largest probability is below `min_confidence`
 (`specserve.core.proposer.confidence_cut`; the cut depends on q at that position only, never on
@@ -71,6 +77,7 @@ measurement on the demo pair (docs/benchmarks/adaptive.md).
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 from collections import deque
@@ -92,6 +99,12 @@ CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many 
 SETTLE_ROUNDS = 8  # plain rounds this soon after a drafting one neither calibrate nor time T(b, 1) (2 until stop 25)
 PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before any is measured (weight 1)
 PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each call's time before the next
+GUARD_DECAY = 0.99  # the guard: per round it measures at a batch size, of that mode's tokens and seconds there
+GUARD_MIN_ROUNDS = 8.0  # the guard compares the two modes at a batch size once each has this much weight there,
+GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of b sequences weighs b)
+GUARD_HOLD = 256  # rounds a veto holds (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
+MAX_GUARD_BACKOFF = 4
+TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -283,6 +296,98 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
     return fits
 
 
+class Guard:
+    """What each mode really gave at a batch size, and a veto on speculating where plain decoding
+    gave more. The model's rates are estimates (a target pass measured beside the drafter's
+    leftover work, hit rates, calibrations that lag a change of load); in stop 26's batching runs
+    they kept speculation on at 4-16 sequences where every fixed-k row lost to plain decoding
+    (the adaptive row 0.62-0.85x plain).
+
+    The guard measures the tokens each round wrote against the seconds of the engine loop it took
+    (its admission of new requests, their starts, the round), per mode and per half-octave bucket
+    of batch sizes (..., 5-6, 7-9, 10-13, 14-19, 20-26, 27-38, ...). A round's tokens are weighed
+    by the startup profile's plain pass at its batch size over b (the seconds of quiet plain passes
+    they are worth), so rounds of nearby batch sizes pool fairly. "On" are the rounds that drafted
+    and the plain rounds settling after them (their pass runs beside the drafter's leftover work:
+    a cost of speculating), "off" the other plain rounds; a probe round and the rounds settling
+    after it count for neither (a single drafting round is no pipelined stretch, and plain rounds
+    beside its leftovers no plain stretch).
+
+    Once both modes have GUARD_MIN_ROUNDS of weight at a bucket, and GUARD_MIN_SEQUENCE_ROUNDS of
+    sequence-rounds (a round's tokens are random, 1 to k + 1 per sequence: at one sequence eight
+    rounds vetoed speculation where it ran 1.5x plain), and speculating measured less,
+    speculation is vetoed there and at every larger batch size (speculating gains less the more
+    sequences share a pass) for GUARD_HOLD rounds: no drafting, no probes, and its measurement
+    dropped. When the veto ends the model decides again; a new stretch of speculating that
+    measures worse again vetoes for twice as long (up to 2**MAX_GUARD_BACKOFF times), one that
+    measures better ends the doubling. Where the model keeps speculation on with a small expected
+    gain (its average over the bucket's rounds below TRIAL_MARGIN: not at one sequence, where
+    speculating clearly pays), plain rounds are tried: speculation pauses for SETTLE_ROUNDS + 4
+    rounds plus as many as the minimum weights need at that batch size, again GUARD_HOLD rounds later if those did not measure plain
+    decoding there (the batch size moved to another bucket meanwhile). The guard only ever turns
+    speculation off: plain decoding is what "never slower than plain" is measured against."""
+
+    def __init__(self):
+        self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
+        self.until: dict[int, int] = {}  # bucket -> the policy round its veto (or trial of plain rounds) ends
+        self.tried: dict[int, int] = {}  # bucket -> the policy round its last trial of plain rounds began
+        self.gains: dict[int, float] = {}  # bucket -> the model's expected gain of speculating, averaged
+        self.backoff: dict[int, int] = {}
+        self.vetoes = 0  # vetoes so far
+
+    @staticmethod
+    def bucket(b: int) -> int:
+        return round(2 * math.log2(max(b, 1)))
+
+    def vetoed(self, b: int, now: int) -> bool:
+        """A veto at a bucket holds for every larger batch too."""
+        bucket = self.bucket(b)
+        return any(end > now and bk <= bucket for bk, end in self.until.items())
+
+    def try_plain(self, b: int, now: int, gain: float) -> bool:
+        """Notes the model's expected gain of speculating at b; starts a trial of plain rounds at
+        b's bucket if it wants one (see the class). True if so."""
+        bucket = self.bucket(b)
+        avg = self.gains[bucket] = gain if bucket not in self.gains else 0.9 * self.gains[bucket] + 0.1 * gain
+        if avg >= TRIAL_MARGIN or self.rate(b, True) is None or self.rate(b, False) is not None \
+                or now - self.tried.get(bucket, -GUARD_HOLD) < GUARD_HOLD:
+            return False
+        self.tried[bucket] = now
+        self.until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(max(GUARD_MIN_ROUNDS, GUARD_MIN_SEQUENCE_ROUNDS / b))
+        return True
+
+    def rate(self, b: int, on: bool) -> float | None:
+        """The mode's measured worth per second at b's bucket (None: not enough rounds yet)."""
+        sums = self.sums.get((self.bucket(b), on))
+        enough = sums and sums[2] >= GUARD_MIN_ROUNDS and sums[3] >= GUARD_MIN_SEQUENCE_ROUNDS and sums[1] > 0
+        return sums[0] / sums[1] if enough else None
+
+    def observe(self, b: int, on: bool, tokens: int, seconds: float, now: int, plain_pass: float | None = None) -> None:
+        """A round of b sequences in mode `on` wrote `tokens` in `seconds`; plain_pass: the
+        profile's plain pass at b (None: none, tokens then weigh 1 / b each)."""
+        bucket = self.bucket(b)
+        sums = self.sums.setdefault((bucket, on), [0.0, 0.0, 0.0, 0.0])
+        for i, x in enumerate((tokens * (plain_pass or 1.0) / b, seconds, 1.0, b)):
+            sums[i] = GUARD_DECAY * sums[i] + x
+        rate_on, rate_off = self.rate(b, True), self.rate(b, False)
+        if rate_on is None or rate_off is None:
+            return
+        if rate_on < rate_off:
+            self.until[bucket] = now + (GUARD_HOLD << self.backoff.get(bucket, 0))
+            self.backoff[bucket] = min(self.backoff.get(bucket, 0) + 1, MAX_GUARD_BACKOFF)
+            del self.sums[(bucket, True)]
+            self.vetoes += 1
+        else:
+            self.backoff[bucket] = 0
+
+    def state(self, now: int) -> dict:
+        return {"vetoes": self.vetoes,
+                "vetoed_buckets": sorted(bk for bk, end in self.until.items() if end > now),
+                "tried_buckets": sorted(self.tried),
+                "worth_per_s": {f"{bk}{'+spec' if on else ''}": round(t / s, 4)
+                                for (bk, on), (t, s, w, _) in sorted(self.sums.items()) if s > 0 and w >= GUARD_MIN_ROUNDS}}
+
+
 class SpeculationPolicy:
     def __init__(self, mode: str = "fixed", costs: PassCosts | None = None, min_confidence: float | None = None):
         if mode not in POLICIES:
@@ -314,6 +419,9 @@ class SpeculationPolicy:
         # the last choices, for operators and benchmarks: (b, k, calibrated tokens/s at k = 0 and at
         # the best k > 0, probe)
         self.recent: deque[tuple[int, int, float, float, bool]] = deque(maxlen=32)
+        self.guard = Guard()
+        self.since_probed = SETTLE_ROUNDS + 1  # rounds since the last probe round
+        self.round_mode: bool | None = None  # what the guard counts the round chosen last for (None: nothing)
 
     # ------------------------------------------------------------------ choosing
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
@@ -322,7 +430,7 @@ class SpeculationPolicy:
         by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer;
         fixed: sequences that always draft their limit (a seeded sampled request, whose text
         must not depend on timings)."""
-        self.predicted = None
+        self.predicted = self.round_mode = None
         if fixed and any(fixed):
             free = [i for i, f in enumerate(fixed) if not f]
             ks = list(limits)
@@ -334,8 +442,12 @@ class SpeculationPolicy:
         if self.mode == "fixed" or not any(limits):
             if self.mode == "adaptive":  # nobody can draft: a plain round
                 self.last_round_k, self.since_drafted = 0, self.since_drafted + 1
+                self.since_probed += 1
             return list(limits)
         b = len(limits)
+        if self.guard.vetoed(b, self.rounds):  # plain rounds until the veto ends: no model to run
+            self.on = False
+            return self._chose(limits, b, 0, False, self.costs(b, 1) + self.overhead.get((b, False), 0.0), None)
         tokens, seconds = self.model_round(limits, acceptance, proposers)
         cal = (self.calibration(b, False), self.calibration(b, True))
         rates = [t / s * cal[k > 0] for k, (t, s) in enumerate(zip(tokens, seconds))]
@@ -347,11 +459,12 @@ class SpeculationPolicy:
             self.on = rates[0] <= (1 + HYSTERESIS) * rates[best]
         else:
             self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
-        self.rounds += 1
+        trial = self.on and self.guard.try_plain(b, self.rounds, rates[best] / max(rates[0], 1e-12))
+        self.on = self.on and not trial
         k = best if self.on else 0
         bucket = b.bit_length()
         self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
-        probe = self.since_probe[bucket] >= PROBE_EVERY << self.probe_backoff.get(bucket, 0)
+        probe = not trial and self.since_probe[bucket] >= PROBE_EVERY << self.probe_backoff.get(bucket, 0)
         if probe:  # a probe round now and then drafts the most: it keeps the estimates of
             self.since_probe[bucket] = 0  # acceptance and drafting cost current for every k
             self.probes += 1
@@ -360,11 +473,23 @@ class SpeculationPolicy:
             self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
             self._last_decision[bucket] = decision
             k = max(limits)
-        self.recent.append((b, k, round(rates[0], 1), round(rates[best], 1), probe))
+        return self._chose(limits, b, k, probe, seconds[k], (rates[0], rates[best]))
+
+    def _chose(self, limits: list[int], b: int, k: int, probe: bool, model_seconds: float,
+               rates: tuple[float, float] | None) -> list[int]:
+        """The bookkeeping of a choice of k for a round of b sequences (rates: the calibrated
+        model's at k = 0 and the best k, None where the guard's veto left the model unasked)."""
+        self.rounds += 1
+        self.recent.append((b, k, *(round(r, 1) for r in rates or (0.0, 0.0)), probe))
         # a probe, or a change of k (no draft was prepared for it), is no steady-state round
         changed, self.last_round_k = k != self.last_round_k, k
         self.since_drafted = 0 if k else self.since_drafted + 1
-        self.predicted = None if probe or changed or self.settling else (b, k > 0, seconds[k])
+        self.since_probed = 0 if probe else self.since_probed + 1
+        self.predicted = None if probe or changed or self.settling else (b, k > 0, model_seconds)
+        # for the guard: drafting rounds and those settling after them are speculation's; a probe
+        # and the plain rounds settling after it, nobody's
+        self.round_mode = None if probe or (not k and self.since_probed <= SETTLE_ROUNDS) else \
+            bool(k) or self.since_drafted <= SETTLE_ROUNDS
         return [min(k, lim) for lim in limits]
 
     def model_rates(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[float]:
@@ -448,6 +573,14 @@ class SpeculationPolicy:
         sums[1] = CAL_DECAY * sums[1] + seconds
         self.predicted = None
 
+    def observe_outcome(self, b: int, tokens: int, seconds: float) -> None:
+        """The round chosen last wrote `tokens` (all b sequences together) in `seconds` of the
+        engine loop (its admission of new requests, their starts, the round): for the guard."""
+        if self.mode == "adaptive" and self.round_mode is not None and seconds > 0:
+            plain_pass = self.costs._interpolate(b, 1) if self.costs.grid else None
+            self.guard.observe(b, self.round_mode, tokens, seconds, self.rounds, plain_pass)
+        self.round_mode = None
+
     def draft_cost(self, proposer: str | None, b: int, k: int, ready: float = 0.0) -> float:
         """D(b, k) = ready * H + (1 - ready) * M(b, k); ready: P(every row's draft is ready)."""
         if not k or proposer is None:
@@ -475,6 +608,7 @@ class SpeculationPolicy:
                 "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
                 "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
                 "probes": self.probes,
+                "guard": self.guard.state(self.rounds),
                 "recent_choices_b_k_rate0_ratebest_probe": list(self.recent),
                 "calibration": {f"{b}{'+spec' if spec else ''}": round(c, 3)
                                 for (b, spec), c in sorted(self.calibrations.items())},
