@@ -1,4 +1,4 @@
-"""Diagnostic (prints, writes no result file): the GEMM plan's "swapped" layout with its output
+"""Diagnostic (prints, writes no result file), float32: the GEMM plan's "swapped" layout with its output
 left column-major (as before 6aa13be) against made row-major again, in one process, passes
 alternating, 12 passes of each (the first 2 dropped), median, batch 1/4/16 x width 1/2/5. Made the "one-process
 A/B" figures in the README and docs/benchmarks/README.md:
@@ -6,26 +6,23 @@ A/B" figures in the README and docs/benchmarks/README.md:
     .venv/bin/python benchmarks/diagnostics/gemm_layout_ab.py models/demo/target
 """
 import time, statistics, torch, sys
-import torch.nn.functional as F
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner
 from specserve.core import fast_llama as fl
-new = fl.FastLlama._linear
-def old(self, x, w):
-    if self.gemm is None: return F.linear(x, w)
-    rows = x.numel() // x.shape[-1]
-    how = self.gemm.plan.get((tuple(w.shape), fl._rows_bucket(rows)), "linear")
-    if how == "transposed": return x @ self.gemm.transposed[w.data_ptr()]
-    if how == "swapped": return (w @ x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
+new = fl.FastLlama._product
+def old(self, w, bucket):  # the "swapped" product left column-major, as before 6aa13be
+    if self.gemm.plan.get((tuple(w.shape), bucket), "linear") == "swapped":
+        return lambda x: (w @ x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], w.shape[0])
+    return new(self, w, bucket)
 path = sys.argv[1]
-r = ModelRunner.from_pretrained(path, name="m", slots=16)
+r = ModelRunner.from_pretrained(path, name="m", slots=16, dtype="float32")  # (the plan is float32's)
 prompt=list(range(1,65))
 for s in range(16): r.prefill(prompt, slot=s)
 res={}
 for rep in range(12):
     for name, fn in (("old", old), ("new", new)):
-        fl.FastLlama._linear = fn
+        fl.FastLlama._product = fn
+        r.fast._gemm_tables.clear()  # (each row bucket's products are made again with fn)
         for b in (1, 4, 16):
             for w in (1, 2, 5):
                 for last in (True, False):
