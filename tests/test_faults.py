@@ -52,7 +52,13 @@ def test_drafter_dies_mid_generation_then_comes_back(models, fallback):
     assert drafted_before > 0
 
     server.stop(0)  # the drafter is gone
-    engine.step()  # its Propose fails: the round runs target-only, nothing fails
+    # its next call fails and the round runs without it, nothing fails. That is this round's, or
+    # the next one's: drafts asked for early may have arrived before the stop, and a round that
+    # uses them calls nothing (a CI run on a fresh clone of c72f7f0 hit that)
+    for _ in range(2):
+        engine.step()
+        if engine.health()["status"] != "ok":
+            break
     assert engine.health()["status"] == "degraded" and "drafter" in engine.health()["reason"]
     assert not any(r.done.is_set() for r in reqs)
     assert [r.via for r in reqs] == (["ngram"] * len(reqs) if fallback else [None] * len(reqs))
