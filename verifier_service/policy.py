@@ -63,8 +63,8 @@ speculation resumes.
 
 Over the model sits a guard (`Guard`): what each mode really wrote per second of the engine loop,
 measured per batch size. Where speculating measured fewer tokens per second than plain decoding,
-it vetoes speculation there for a while (and tries plain rounds once where the model keeps
-speculation on with a small expected gain), so a model that is wrong about a load (in stop 26's
+it vetoes speculation there for a while (and tries plain rounds where the model keeps
+speculation on with a small expected gain and plain decoding is unmeasured), so a model that is wrong about a load (in stop 26's
 runs it kept drafting at 4-16 sequences where every fixed-k row lost) is not wrong for long.
 
 The drafter's confidence can stop a draft early: the drafter cuts a draft before the first
@@ -323,9 +323,10 @@ class Guard:
     measures better ends the doubling. Where the model keeps speculation on with a small expected
     gain (its average over the bucket's rounds below TRIAL_MARGIN: not at one sequence, where
     speculating clearly pays), plain rounds are tried: speculation pauses for SETTLE_ROUNDS + 4
-    rounds plus as many as the minimum weights need at that batch size, again GUARD_HOLD rounds later if those did not measure plain
-    decoding there (the batch size moved to another bucket meanwhile). The guard only ever turns
-    speculation off: plain decoding is what "never slower than plain" is measured against."""
+    rounds plus as many as the minimum weights need at that batch size, and again GUARD_HOLD
+    rounds later if those did not measure plain decoding there (the batch size moved to another
+    bucket meanwhile). The guard only ever turns speculation off: plain decoding is what "never
+    slower than plain" is measured against."""
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
