@@ -489,3 +489,12 @@ def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
         policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=1, gain=1.1, rounds=600, seed=seed)
         assert policy.guard.tried and policy.guard.rate(1, False) is not None
         assert policy.guard.vetoes == 0, seed
+
+
+
+def test_rounds_with_seeded_rows_count_for_nothing_in_the_guard():
+    """Seeded rows draft their k whatever the mode, so such a round is not measured as either."""
+    policy, _ = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.15, rounds=40)
+    rows = [Acceptance() for _ in range(8)]
+    ks = policy.choose([4] * 8, rows, ["ngram"] * 8, fixed=[True] * 6 + [False] * 2)
+    assert ks[:6] == [4] * 6 and policy.round_mode is None

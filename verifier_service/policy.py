@@ -439,6 +439,7 @@ class SpeculationPolicy:
                 for i, k in zip(free, self.choose([limits[i] for i in free], [acceptance[i] for i in free],
                                                   [proposers[i] for i in free])):
                     ks[i] = k
+            self.round_mode = None  # (the seeded rows draft whatever the mode: the guard counts nothing)
             return ks
         if self.mode == "fixed" or not any(limits):
             if self.mode == "adaptive":  # nobody can draft: a plain round
@@ -448,7 +449,11 @@ class SpeculationPolicy:
         b = len(limits)
         if self.guard.vetoed(b, self.rounds):  # plain rounds until the veto ends: no model to run
             self.on = False
-            return self._chose(limits, b, 0, False, self.costs(b, 1) + self.overhead.get((b, False), 0.0), None)
+            settling = self.since_drafted < SETTLE_ROUNDS  # (after the round that drafted when the veto came)
+            ks = self._chose(limits, b, 0, False, self.costs(b, 1) + self.overhead.get((b, False), 0.0), None)
+            if settling:  # not speculating's: its measurement was dropped, a new stretch measures it afresh
+                self.round_mode = None
+            return ks
         tokens, seconds = self.model_round(limits, acceptance, proposers)
         cal = (self.calibration(b, False), self.calibration(b, True))
         rates = [t / s * cal[k > 0] for k, (t, s) in enumerate(zip(tokens, seconds))]
