@@ -246,9 +246,14 @@ def closed_loop(pair, prompts, concurrency: int, total: int, max_tokens: int, k:
     return outs
 
 
+CONTROL = "plain, control"  # the batching bench's second plain pair
+
+
 def bench_batching(args) -> dict:
     """Aggregate tokens/s and inter-token latency at each concurrency, for batched plain decoding
-    (k = 0 through the same loop) and batched speculation, sequential and pipelined."""
+    (k = 0 through the same loop) and batched speculation, sequential and pipelined. A second
+    plain pair ("plain, control": the same configuration in actors of its own) measures how far
+    two identical rows part in this run: the noise any ratio to plain carries."""
     import ray
 
     from specserve.cluster.pair import SpeculativePair
@@ -261,7 +266,8 @@ def bench_batching(args) -> dict:
     per_run = {c: max(args.waves * c, args.min_requests) for c in levels}  # requests per run of a level
     prompts = heldout_prompts(model_dir, max(per_run.values()), args.prompt_tokens, load_tokenizer(target_path))
     modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
-             "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive")}
+             "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive"),
+             CONTROL: (False, 0, "fixed")}
     init_ray(2 * len(modes))
     pairs: dict[str, SpeculativePair] = {}
     rows: dict[str, dict] = {mode: {} for mode in modes}
@@ -322,10 +328,11 @@ def bench_batching(args) -> dict:
             crossover = c
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
+    control = {c: rows[CONTROL][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     return dict(models=str(model_dir), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 repeats=args.repeats, min_requests=args.min_requests, waves=args.waves, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
-                adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()))
+                adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()), control_over_plain=control)
 
 
 def plot_batching(report: dict, path: str) -> None:
@@ -337,7 +344,9 @@ def plot_batching(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     levels, rows = report["concurrency"], report["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined"):
+    for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined", CONTROL):
+        if mode not in rows:
+            continue
         a.plot(levels, [rows[mode][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels], "o-",
                label=mode)
     a.axhline(1.0, color="gray", lw=1, ls="--", label="plain")
@@ -362,17 +371,24 @@ def markdown_batching(report: dict, command: str) -> str:
              "one drafter actor per row, 1 torch thread each; every row's pair is up before any is timed, and at "
              "each level the rows' runs are interleaved.", "",
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
-             f"k <= {report['k']}), pipelined. Plot: `batching.png`.", "",
+             f"k <= {report['k']}), pipelined; and a control: a second plain pair, the same configuration as "
+             "the first in actors of its own, run last in each round of runs (its ratio to plain is the "
+             "spread between two identical rows in this run). Plot: `batching.png`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
-             "| adaptive tok/s (× plain) | adaptive mean k | ITL p50 / p99 ms: plain | sequential | pipelined | adaptive |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| adaptive tok/s (× plain) | adaptive mean k | control tok/s (× plain) "
+             "| ITL p50 / p99 ms: plain | sequential | pipelined | adaptive |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = report["rows"]
+    control = rows.get(CONTROL)
     for c in report["concurrency"]:
         p, s, q, a = (rows[m][c] for m in ("plain", "speculative, sequential", "speculative, pipelined",
                                           "adaptive, pipelined"))
+        ctl = f"{control[c]['tokens_per_s']:.1f} ({control[c]['tokens_per_s'] / p['tokens_per_s']:.2f}×)" \
+            if control else "–"
         lines.append(f"| {c} | {p['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} ({s['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
                      f"| {q['tokens_per_s']:.1f} ({q['tokens_per_s'] / p['tokens_per_s']:.2f}×) "
                      f"| {a['tokens_per_s']:.1f} ({a['tokens_per_s'] / p['tokens_per_s']:.2f}×) | {a['mean_chosen_k']:.2f} "
+                     f"| {ctl} "
                      f"| {p['itl_p50_ms']:.1f} / {p['itl_p99_ms']:.1f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} "
                      f"| {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} |")
     from specserve.verifier.engine import PHASES
@@ -395,6 +411,11 @@ def markdown_batching(report: dict, command: str) -> str:
               f"- adaptive / plain: worst {report['adaptive_worst']:.2f}× (goal ≥ 0.95 at every concurrency), "
               f"{report['adaptive_over_plain'][report['concurrency'][0]]:.2f}× at concurrency "
               f"{report['concurrency'][0]} (goal ≥ 1.4)"]
+    if "control_over_plain" in report:
+        ctl = report["control_over_plain"]
+        lines += [f"- control / plain (two identical plain pairs): {min(ctl.values()):.2f}×–{max(ctl.values()):.2f}× "
+                  "(" + ", ".join(f"{ctl[c]:.2f}× at {c}" for c in report["concurrency"]) + "): a ratio to plain "
+                  "in this run is only as sure as this spread"]
     return "\n".join(lines) + "\n"
 
 
