@@ -1,6 +1,7 @@
 """Diagnostic (prints, writes no result file): two pairs under the batching bench's closed loop,
 their target passes timed by wall clock and by the engine thread's CPU time. Pairs: "adaptive"
-(an adaptive pair against a plain one) or "control" (two identical plain pairs). Levels as given,
+(a plain pair, then an adaptive one), "control" (two identical plain pairs) or "all" (plain,
+adaptive, and a second plain pair). Levels as given,
 one run of each pair per level, alternating (4 x C greedy requests of 64 held-out prompt tokens,
 64 new tokens). Printed per run: tokens/s, and the full-batch width-1 passes' median wall and CPU
 ms. Two identical plain pairs parted by up to 9% in a run, their passes' CPU time with them: the
@@ -19,9 +20,10 @@ which = sys.argv[1] if len(sys.argv) > 1 else "control"
 levels = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "4,16").split(",")]
 m = Path("models/demo")
 prompts = heldout_prompts(m, 4 * max(levels), 64, load_tokenizer(str(m / "target")))
-init_ray(4)
-kinds = (("adaptive", "adaptive", 4), ("plain", "fixed", 0)) if which == "adaptive" else \
-    (("plain A", "fixed", 0), ("plain B", "fixed", 0))
+kinds = {"adaptive": (("plain", "fixed", 0), ("adaptive", "adaptive", 4)),
+         "control": (("plain A", "fixed", 0), ("plain B", "fixed", 0)),
+         "all": (("plain", "fixed", 0), ("adaptive", "adaptive", 4), ("control", "fixed", 0))}[which]
+init_ray(2 * len(kinds))
 pairs = {name: SpeculativePair(str(m / "target"), str(m / "drafter"), pipeline=True, cpus_per_actor=1,
                                max_num_seqs=32, max_waiting=32, speculation=sp) for name, sp, _ in kinds}
 K = {name: k for name, _, k in kinds}
@@ -59,7 +61,7 @@ for i, c in enumerate(levels):
         print(f"run {i} C={c} {name}: {rates[name]:.1f} tok/s; {len(x)} full width-1 passes, median "
               f"{1e3 * statistics.median(w for w, _ in x):.2f} ms wall, {1e3 * statistics.median(u for _, u in x):.2f} ms CPU",
               flush=True)
-    a, b = rates.values()
-    print(f"  second / first: {b / a:.2f}x", flush=True)
+    first, *others = rates.values()
+    print("  over the first: " + ", ".join(f"{n} {r / first:.2f}x" for n, r in list(rates.items())[1:]), flush=True)
 for p in pairs.values():
     p.shutdown()
