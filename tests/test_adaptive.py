@@ -498,3 +498,26 @@ def test_rounds_with_seeded_rows_count_for_nothing_in_the_guard():
     rows = [Acceptance() for _ in range(8)]
     ks = policy.choose([4] * 8, rows, ["ngram"] * 8, fixed=[True] * 6 + [False] * 2)
     assert ks[:6] == [4] * 6 and policy.round_mode is None
+
+
+def test_the_guard_times_rounds_without_the_prefill_of_joining_requests():
+    """Both modes prefill the same prompts: the seconds a round is measured in for the guard leave
+    the target's prefill of the requests joining in its step out (admissions come in bursts, which
+    swung a mode's measured rate widely), and keep the rest of the step."""
+    target, drafter = tiny_model("llama", V, seed=27), tiny_model("llama", V, seed=28, hidden=32, layers=1)
+    engine = SpeculativeEngine(ModelRunner(target, slots=4), DraftModelProposer(ModelRunner(drafter, slots=4)),
+                               eos_ids=set(), speculation="adaptive", max_k=4)
+    seen, observe = [], engine.policy.observe_outcome
+    engine.policy.observe_outcome = lambda b, tokens, seconds: (seen.append(seconds), observe(b, tokens, seconds))
+    reqs = [engine.submit([3, 4, 5] * 60, 8, SamplingParams(), k=4) for _ in range(3)]  # long prompts: a long prefill
+    admit = engine.times.seconds["admit"]
+    t0 = time.perf_counter()
+    engine.step()  # admits all three and runs their first round
+    step = time.perf_counter() - t0
+    prefill = engine.times.seconds["admit"] - admit
+    assert len(seen) == 1 and prefill > 0
+    assert 0 < seen[0] <= step - prefill + 1e-4
+    assert seen[0] >= engine.times.seconds["pass"] > 0  # the round itself is in
+    while not all(r.done.is_set() for r in reqs):
+        engine.step()
+    assert all(r.result().token_ids == plain(target, [3, 4, 5] * 60, 8) for r in reqs)

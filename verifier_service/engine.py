@@ -272,6 +272,7 @@ class SpeculativeEngine:
         self._compact_failed = False  # a slot move failed once: `_compact` is off
         self.times = RoundTimes()  # where the loop's time goes (benchmarks read it)
         self._step_started = time.perf_counter()  # when the running step began (the guard times rounds from it)
+        self._prefill_seconds = 0.0  # the running step's target prefill of joining requests (the guard leaves it out)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         self.policy = SpeculationPolicy(speculation)
         if proposer is not None and proposer.prepares:
@@ -392,6 +393,7 @@ class SpeculativeEngine:
     def step(self) -> None:
         """One round for every running sequence."""
         self._step_started = time.perf_counter()
+        self._prefill_seconds = 0.0
         now = time.monotonic()
         with self.lock:
             for req in [r for r in self.waiting if r.cancelled or self._expired(r, now)]:
@@ -532,6 +534,7 @@ class SpeculativeEngine:
         reqs = [r for r in reqs if not r.done.is_set()]
         for req in reqs:
             req.pending = req.prompt_ids[-1]
+        self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
         later = [r for r in reqs if r.k and r.method == "draft_model" and not r.fixed_k] if self._start_later_ok() else []
@@ -689,7 +692,9 @@ class SpeculativeEngine:
         wall = time.perf_counter() - t_round + before
         self.policy.observe_overhead(len(running), max(chosen) > 0, wall - t_pass - t_draft)
         self.policy.observe_round(wall)
-        self.policy.observe_outcome(len(running), written, time.perf_counter() - self._step_started)
+        # the guard's seconds: the step's, less the target's prefill of joining requests (see Guard)
+        self.policy.observe_outcome(len(running), written,
+                                    time.perf_counter() - self._step_started - self._prefill_seconds)
         self.times.rounds += 1
         self.times.add("pass", t_pass)
         self.times.add("rest", wall - before - t_pass - t_propose - t_join)

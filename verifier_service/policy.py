@@ -304,7 +304,12 @@ class Guard:
     (the adaptive row 0.62-0.85x plain).
 
     The guard measures the tokens each round wrote against the seconds of the engine loop it took
-    (its admission of new requests, their starts, the round), per mode and per half-octave bucket
+    (the round, and the starts of joining requests on the drafter; not the target's prefill of
+    them, which either mode pays alike for the same prompts and which comes in bursts: equal
+    requests finish together under plain decoding, and a burst within a mode's memory of ~100
+    rounds swung its rate widely: in batching.md at 3c60a0f the plain rates held for 7-38
+    sequences were 0.22-0.75 worth per second, speculating's at 7-9 sequences 1.00, where fixed k
+    ran 0.83x plain), per mode and per half-octave bucket
     of batch sizes (..., 5-6, 7-9, 10-13, 14-19, 20-26, 27-38, ...). A round's tokens are weighed
     by the startup profile's plain pass at its batch size over b (the seconds of quiet plain passes
     they are worth), so rounds of nearby batch sizes pool fairly. "On" are the rounds that drafted
@@ -581,7 +586,7 @@ class SpeculationPolicy:
 
     def observe_outcome(self, b: int, tokens: int, seconds: float) -> None:
         """The round chosen last wrote `tokens` (all b sequences together) in `seconds` of the
-        engine loop (its admission of new requests, their starts, the round): for the guard."""
+        engine loop (the starts of joining requests and the round, not their prefill): for the guard."""
         if self.mode == "adaptive" and self.round_mode is not None and seconds > 0:
             plain_pass = self.costs._interpolate(b, 1) if self.costs.grid else None
             self.guard.observe(b, self.round_mode, tokens, seconds, self.rounds, plain_pass)
