@@ -521,3 +521,41 @@ def test_the_guard_times_rounds_without_the_prefill_of_joining_requests():
     while not all(r.done.is_set() for r in reqs):
         engine.step()
     assert all(r.result().token_ids == plain(target, [3, 4, 5] * 60, 8) for r in reqs)
+
+
+def test_the_drafter_rests_under_a_veto_and_is_caught_up_before_it_drafts_again():
+    """While the guard vetoes speculation, nothing of the drafter's runs beside the plain passes:
+    sequences joining meanwhile are not started on it, running ones are not caught up. When the
+    veto ends, the drafter gets every committed token (a start, or the unsent tokens with the next
+    call) before it drafts, and greedy output equals plain decoding throughout."""
+    target = tiny_model("llama", V, seed=17)
+    proposer = DraftModelProposer(ModelRunner(target, slots=4))  # the target drafting for itself: all accepted
+    engine = SpeculativeEngine(ModelRunner(target, slots=4), proposer, eos_ids=set(), speculation="adaptive", max_k=4)
+    engine.policy.costs = PassCosts({(b, w): 0.05 for b in (1, 2) for w in (1, 2, 3, 4, 5)})  # passes dear, wide ones no dearer
+    engine.policy.draft_costs.clear()
+    engine.policy.observe_draft("draft_model", 1, 1, 0.0)  # and drafting free: the model speculates
+    first = engine.submit([3, 4, 5], 90, SamplingParams(), k=4)
+    for _ in range(3):
+        engine.step()
+    assert sum(first.stats.rounds_by_k[1:]) == 3  # speculating
+    guard, policy = engine.policy.guard, engine.policy
+    guard.until[guard.bucket(1)] = policy.rounds + 40  # a veto from b = 1 up, for 40 rounds
+    fed = proposer.committed_length(first.id)
+    second = engine.submit([9, 8, 7, 6], 60, SamplingParams(), k=4)
+    drafted = sum(first.stats.rounds_by_k[1:])
+    for _ in range(30):
+        engine.step()
+    assert second.resting and second.id not in proposer.seqs  # joined under the veto: not started
+    assert proposer.committed_length(first.id) == fed  # not caught up either (30 tokens behind)
+    assert len(first.prompt_ids) + len(first.out) - fed > CATCH_UP_TOKENS  # far enough behind to be caught up
+    assert sum(first.stats.rounds_by_k[1:]) == drafted
+    while policy.rounds < guard.until[guard.bucket(1)]:
+        engine.step()
+    before = len(second.prompt_ids) + len(second.out)
+    engine.step()  # the veto is over: the second starts with all it has, the first's tokens go with its next call
+    assert not second.resting and proposer.committed_length(second.id) >= before  # (and this round's, if it drafted)
+    while not (first.done.is_set() and second.done.is_set()):
+        engine.step()
+    assert sum(first.stats.rounds_by_k[1:]) > drafted  # drafting again, from everything committed
+    assert first.result().token_ids == plain(target, [3, 4, 5], 90)
+    assert second.result().token_ids == plain(target, [9, 8, 7, 6], 60)

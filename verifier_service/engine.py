@@ -219,6 +219,7 @@ class Request:
     previous_accepted: int | None = None  # drafts accepted in its last drafted round
     previous_k: int = 0  # drafts in its last drafted round
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
+    resting: bool = False  # joined while the guard vetoed speculation: not started on the drafter yet
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -418,6 +419,8 @@ class SpeculativeEngine:
         running = list(self.running)
         if not running:
             return
+        if not self._resting() and any(r.resting for r in running):
+            self._wake([r for r in running if r.resting])
         try:
             self._round(running)
         except Exception as e:  # a failed batch (the target's pass) fails its requests, never the loop
@@ -496,7 +499,7 @@ class SpeculativeEngine:
         self.degraded = None
         self._early = self._early_got = None
         for req in self.running:
-            if req.method == "draft_model" and req.via != "draft_model":
+            if req.method == "draft_model" and req.via != "draft_model" and not req.resting:
                 self._stop_drafting(req)
                 self._start_drafting(req)
 
@@ -537,6 +540,10 @@ class SpeculativeEngine:
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
+        if self._resting():  # the drafter rests: these start on it once the veto ends (`_wake`)
+            for r in reqs:
+                r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
+            reqs = [r for r in reqs if not r.resting]
         later = [r for r in reqs if r.k and r.method == "draft_model" and not r.fixed_k] if self._start_later_ok() else []
         if later:
             self._start_later(later)
@@ -546,6 +553,28 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         self._start_drafting_many([r for r in reqs if r.k])
         self.times.add("start", time.perf_counter() - t1)
+
+    def _resting(self) -> bool:
+        """The drafter rests while the policy's guard vetoes speculation at this batch size (it
+        measured plain decoding writing more here, and holds that for hundreds of rounds): new
+        sequences are not started on it and running ones are not caught up, so nothing of the
+        drafter's runs beside the plain passes (on the 2-core reference machine its starts and
+        catch-ups slowed them by a few percent). When the veto ends, `_wake` starts the sequences
+        that joined meanwhile with everything committed, and the next call to the drafter brings
+        the others' unsent tokens: the drafter is caught up before anything drafts again."""
+        return (self.policy.mode == "adaptive" and "draft_model" in self.proposers and self.degraded is None
+                and self.policy.guard.vetoed(len(self.running), self.policy.rounds))
+
+    def _wake(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.resting = False
+        if self._start_later_ok():
+            self._start_later(reqs)
+        else:
+            self._await_early()
+            t0 = time.perf_counter()
+            self._start_drafting_many(reqs)
+            self.times.add("start", time.perf_counter() - t0)
 
     def _start_later_ok(self) -> bool:
         """New sequences may start on the drafter while the rounds run (not before them): the
@@ -762,12 +791,13 @@ class SpeculativeEngine:
         in the call."""
         drafts = [Draft([], None)] * len(running)
         t_draft = 0.0  # seconds in calls that drafted (catch-up-only calls count as overhead)
+        catch_up = CATCH_UP_TOKENS if not self._resting() else float("inf")
         served: set[int] = set()  # rows whose draft came early
         for name, proposer in list(self.proposers.items()):
             if self._early and name == "draft_model":
                 t_draft += self._collect_early(running, ks, drafts, served)
             rows = [i for i, r in enumerate(running) if r.via == name and i not in served
-                    and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= CATCH_UP_TOKENS))]
+                    and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= catch_up))]
             if not rows:
                 continue
             t0 = time.perf_counter()

@@ -447,9 +447,8 @@ class SpeculationPolicy:
             self.round_mode = None  # (the seeded rows draft whatever the mode: the guard counts nothing)
             return ks
         if self.mode == "fixed" or not any(limits):
-            if self.mode == "adaptive":  # nobody can draft: a plain round
-                self.last_round_k, self.since_drafted = 0, self.since_drafted + 1
-                self.since_probed += 1
+            if self.mode == "adaptive":  # nobody can draft: a plain round (the guard's "off", unless settling)
+                return self._chose(limits, len(limits), 0, False, 0.0, None, calibrates=False)
             return list(limits)
         b = len(limits)
         if self.guard.vetoed(b, self.rounds):  # plain rounds until the veto ends: no model to run
@@ -487,16 +486,19 @@ class SpeculationPolicy:
         return self._chose(limits, b, k, probe, seconds[k], (rates[0], rates[best]))
 
     def _chose(self, limits: list[int], b: int, k: int, probe: bool, model_seconds: float,
-               rates: tuple[float, float] | None) -> list[int]:
+               rates: tuple[float, float] | None, calibrates: bool = True) -> list[int]:
         """The bookkeeping of a choice of k for a round of b sequences (rates: the calibrated
-        model's at k = 0 and the best k, None where the guard's veto left the model unasked)."""
+        model's at k = 0 and the best k, None where the guard's veto left the model unasked;
+        calibrates: False for a round nobody could draft in, which neither calibrates the model nor
+        shows in `recent`)."""
         self.rounds += 1
-        self.recent.append((b, k, *(round(r, 1) for r in rates or (0.0, 0.0)), probe))
+        if calibrates:
+            self.recent.append((b, k, *(round(r, 1) for r in rates or (0.0, 0.0)), probe))
         # a probe, or a change of k (no draft was prepared for it), is no steady-state round
         changed, self.last_round_k = k != self.last_round_k, k
         self.since_drafted = 0 if k else self.since_drafted + 1
         self.since_probed = 0 if probe else self.since_probed + 1
-        self.predicted = None if probe or changed or self.settling else (b, k > 0, model_seconds)
+        self.predicted = None if probe or changed or self.settling or not calibrates else (b, k > 0, model_seconds)
         # for the guard: drafting rounds and those settling after them are speculation's; a probe
         # and the plain rounds settling after it, nobody's
         self.round_mode = None if probe or (not k and self.since_probed <= SETTLE_ROUNDS) else \
