@@ -59,7 +59,8 @@ decoding; with eight it chose k = 0 there (mean k 0.13-0.19; docs/benchmarks/bat
 calibration not re-measured drifts back towards 1 (RELAX per round), so one learnt in a bad spell
 (a busy machine) does not keep speculation off for good. While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
-speculation resumes.
+speculation resumes; while the guard vetoes speculation the drafter rests, and is brought up to
+date when the veto ends, before it drafts (`SpeculativeEngine._resting`).
 
 Over the model sits a guard (`Guard`): what each mode really wrote per second of the engine loop,
 measured per batch size. Where speculating measured fewer tokens per second than plain decoding,
