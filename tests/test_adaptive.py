@@ -559,3 +559,13 @@ def test_the_drafter_rests_under_a_veto_and_is_caught_up_before_it_drafts_again(
     assert sum(first.stats.rounds_by_k[1:]) > drafted  # drafting again, from everything committed
     assert first.result().token_ids == plain(target, [3, 4, 5], 90)
     assert second.result().token_ids == plain(target, [9, 8, 7, 6], 60)
+
+
+def test_the_guard_does_not_veto_at_a_near_tie():
+    """Speculating measured at 0.98 of plain decoding is no reason for a veto (GUARD_MARGIN): the
+    guard compares the modes and leaves speculation on; at 0.9 it vetoes."""
+    policy, chosen = _guarded_run(on_rate=980.0, off_rate=1000.0, b=8, gain=1.15, rounds=600)
+    assert policy.guard.rate(8, True) is not None and policy.guard.rate(8, False) is not None
+    assert policy.guard.vetoes == 0 and chosen[-100:].count(0) < 20
+    policy, _ = _guarded_run(on_rate=900.0, off_rate=1000.0, b=8, gain=1.15, rounds=600)
+    assert policy.guard.vetoes >= 1

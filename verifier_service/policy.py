@@ -105,6 +105,7 @@ GUARD_MIN_ROUNDS = 8.0  # the guard compares the two modes at a batch size once 
 GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of b sequences weighs b)
 GUARD_HOLD = 256  # rounds a veto holds (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
 MAX_GUARD_BACKOFF = 4
+GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
 
@@ -321,8 +322,9 @@ class Guard:
 
     Once both modes have GUARD_MIN_ROUNDS of weight at a bucket, and GUARD_MIN_SEQUENCE_ROUNDS of
     sequence-rounds (a round's tokens are random, 1 to k + 1 per sequence: at one sequence eight
-    rounds vetoed speculation where it ran 1.5x plain), and speculating measured less,
-    speculation is vetoed there and at every larger batch size (speculating gains less the more
+    rounds vetoed speculation where it ran 1.5x plain), and speculating measured less than
+    1 - GUARD_MARGIN of plain decoding (a veto at a near-tie, 0.908 against 0.911, left 4
+    sequences at 0.89x plain where fixed k ran 1.05-1.08x), speculation is vetoed there and at every larger batch size (speculating gains less the more
     sequences share a pass) for GUARD_HOLD rounds: no drafting, no probes, and its measurement
     dropped. When the veto ends the model decides again; a new stretch of speculating that
     measures worse again vetoes for twice as long (up to 2**MAX_GUARD_BACKOFF times), one that
@@ -379,7 +381,7 @@ class Guard:
         rate_on, rate_off = self.rate(b, True), self.rate(b, False)
         if rate_on is None or rate_off is None:
             return
-        if rate_on < rate_off:
+        if rate_on < (1 - GUARD_MARGIN) * rate_off:  # (a near-tie is no reason to give up what speculating may gain)
             self.until[bucket] = now + (GUARD_HOLD << self.backoff.get(bucket, 0))
             self.backoff[bucket] = min(self.backoff.get(bucket, 0) + 1, MAX_GUARD_BACKOFF)
             del self.sums[(bucket, True)]
