@@ -544,6 +544,11 @@ class SpeculativeEngine:
             for r in reqs:
                 r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
             reqs = [r for r in reqs if not r.resting]
+        self._start(reqs)
+
+    def _start(self, reqs: list[Request]) -> None:
+        """Starts these sequences on their proposers: on a remote drafter from a helper thread
+        while speculation is off (`_start_later_ok`), the others in one call per proposer now."""
         later = [r for r in reqs if r.k and r.method == "draft_model" and not r.fixed_k] if self._start_later_ok() else []
         if later:
             self._start_later(later)
@@ -568,13 +573,7 @@ class SpeculativeEngine:
     def _wake(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.resting = False
-        if self._start_later_ok():
-            self._start_later(reqs)
-        else:
-            self._await_early()
-            t0 = time.perf_counter()
-            self._start_drafting_many(reqs)
-            self.times.add("start", time.perf_counter() - t0)
+        self._start(reqs)
 
     def _start_later_ok(self) -> bool:
         """New sequences may start on the drafter while the rounds run (not before them): the
