@@ -64,6 +64,26 @@ def test_fast_llama_matches_hf_modules():
     assert torch.allclose(fast.score(seq[280:285]), hf.score(seq[280:285]), atol=1e-5)
 
 
+def test_fused_projections_share_the_models_weights():
+    """The lean forward stacks q/k/v and gate/up into one matrix each; the model's own weights
+    become views of it (no second copy), and the model still computes what it did."""
+    model = tiny_model("llama", 64, seed=5, layers=2)
+    ids = torch.tensor([[3, 9, 27, 17, 51]])
+    with torch.no_grad():
+        before = model(ids).logits
+    runner = ModelRunner(model)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    lw = runner.fast.layer_weights[1]
+    assert attn.q_proj.weight.data_ptr() == lw.qkv.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == lw.qkv.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == lw.gate_up.untyped_storage().data_ptr()
+    assert torch.equal(lw.qkv[-attn.v_proj.weight.shape[0]:], attn.v_proj.weight)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    runner.prefill([3, 9, 27, 17])
+    assert torch.allclose(runner.score([51])[-1], before[0, -1], atol=1e-5)
+
+
 def test_fast_llama_batched_ragged_slots_match_single():
     from specserve.core.fast_llama import FastLlama
     model = tiny_model("llama", 64, seed=4)
