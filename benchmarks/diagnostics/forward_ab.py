@@ -4,7 +4,9 @@ batched, compact and gathered slots), and their pass times (width 1, width 5, a 
 pass), the version and case drawn at random before every pass, medians of ~400 passes each.
 
     git show REV:core/fast_llama.py > /tmp/fast_llama_old.py
-    .venv/bin/python benchmarks/diagnostics/forward_ab.py /tmp/fast_llama_old.py [core/fast_llama.py]
+    .venv/bin/python benchmarks/diagnostics/forward_ab.py /tmp/fast_llama_old.py [core/fast_llama.py [TARGET_DTYPE]]
+
+TARGET_DTYPE: float32 (the default) or bfloat16 (what `dtype: auto` gives the target on an AMX CPU).
 """
 import importlib.util, os, random, statistics, sys, time, torch
 from specserve.core.runner import compile_cache_dir
@@ -14,9 +16,11 @@ def load(path, name):
     spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
 old = load(sys.argv[1], "fl_old"); new = load(sys.argv[2] if len(sys.argv) > 2 else "core/fast_llama.py", "fl_new")
 R = {}
+target_dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
 for name in ("drafter", "target"):
-    model = transformers.AutoModelForCausalLM.from_pretrained(f"models/demo/{name}", dtype=torch.float32).eval()
-    for tag, mod in (("old", old), ("new", new)):
+    dtype = target_dtype if name == "target" else torch.float32
+    for tag, mod in (("old", old), ("new", new)):  # a model each: a version may re-lay its weights
+        model = transformers.AutoModelForCausalLM.from_pretrained(f"models/demo/{name}", dtype=dtype).eval()
         fl = mod.FastLlama(model, slots=8, plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"))
         with torch.inference_mode():
             fl.forward([list(range(1, 65))], [0]); fl.forward([list(range(1, 40))] * 3, [1, 2, 3])
