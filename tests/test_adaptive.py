@@ -569,3 +569,20 @@ def test_the_guard_does_not_veto_at_a_near_tie():
     assert policy.guard.vetoes == 0 and chosen[-100:].count(0) < 20
     policy, _ = _guarded_run(on_rate=900.0, off_rate=1000.0, b=8, gain=1.15, rounds=600)
     assert policy.guard.vetoes >= 1
+
+
+def test_a_marginal_loss_holds_the_veto_a_quarter_as_long():
+    """Speculating at 0.9 of plain decoding (a loss that may be noise) is vetoed for GUARD_HOLD / 4
+    rounds; at 0.77 (a clear loss) for GUARD_HOLD."""
+    from specserve.verifier.policy import GUARD_HOLD
+
+    def first_veto(on_rate):
+        policy, chosen = _guarded_run(on_rate=on_rate, off_rate=1000.0, b=8, gain=1.15, rounds=GUARD_HOLD + 200)
+        first = chosen.index(0)
+        resumed = next(i for i in range(first + 1, len(chosen)) if chosen[i] and not chosen[i - 1])
+        return policy, resumed - first
+
+    policy, held = first_veto(900.0)
+    assert policy.guard.vetoes >= 1 and GUARD_HOLD // 4 <= held < GUARD_HOLD // 2
+    policy, held = first_veto(770.0)
+    assert policy.guard.vetoes >= 1 and held >= GUARD_HOLD

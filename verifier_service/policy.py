@@ -106,6 +106,8 @@ GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of
 GUARD_HOLD = 256  # rounds a veto holds (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
 MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
+GUARD_CLEAR_LOSS = 0.85  # speculating below this of plain decoding holds the veto GUARD_HOLD rounds; a loss between
+# this and 1 - GUARD_MARGIN, which may be noise, holds it a quarter as long (see Guard)
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
 
@@ -326,7 +328,10 @@ class Guard:
     1 - GUARD_MARGIN of plain decoding (a veto at a near-tie, 0.908 against 0.911, left 4
     sequences at 0.89x plain where fixed k ran 1.05-1.08x), speculation is vetoed there and at every larger batch size (speculating gains less the more
     sequences share a pass) for GUARD_HOLD rounds: no drafting, no probes, and its measurement
-    dropped. When the veto ends the model decides again; a new stretch of speculating that
+    dropped. A marginal loss (speculating at GUARD_CLEAR_LOSS to 1 - GUARD_MARGIN of plain
+    decoding) holds a quarter as long: at two sequences, where a mode's rate over the minimum
+    weights swings by several percent, such a veto held most of a batching level (0.90x plain;
+    fixed k 1.24x in the same run, batching_ab.md, stop 29). When the veto ends the model decides again; a new stretch of speculating that
     measures worse again vetoes for twice as long (up to 2**MAX_GUARD_BACKOFF times), one that
     measures better ends the doubling. Where the model keeps speculation on with a small expected
     gain (its average over the bucket's rounds below TRIAL_MARGIN: not at one sequence, where
@@ -382,7 +387,10 @@ class Guard:
         if rate_on is None or rate_off is None:
             return
         if rate_on < (1 - GUARD_MARGIN) * rate_off:  # (a near-tie is no reason to give up what speculating may gain)
-            self.until[bucket] = now + (GUARD_HOLD << self.backoff.get(bucket, 0))
+            hold = GUARD_HOLD << self.backoff.get(bucket, 0)
+            if rate_on >= GUARD_CLEAR_LOSS * rate_off:  # a marginal loss: perhaps the noise of a few rounds
+                hold //= 4
+            self.until[bucket] = now + hold
             self.backoff[bucket] = min(self.backoff.get(bucket, 0) + 1, MAX_GUARD_BACKOFF)
             del self.sums[(bucket, True)]
             self.vetoes += 1
