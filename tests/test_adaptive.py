@@ -586,3 +586,14 @@ def test_a_marginal_loss_holds_the_veto_a_quarter_as_long():
     assert policy.guard.vetoes >= 1 and GUARD_HOLD // 4 <= held < GUARD_HOLD // 2
     policy, held = first_veto(770.0)
     assert policy.guard.vetoes >= 1 and held >= GUARD_HOLD
+
+
+@pytest.mark.parametrize("b", [1, 2, 8])
+def test_one_trial_of_plain_rounds_measures_plain_decoding(b):
+    """A trial of plain rounds lasts until the guard's decaying weights reach their minimums at
+    that batch size, so the first trial measures plain decoding (at one sequence a trial of 64
+    rounds had not: 64 decayed rounds weigh 47), and no second trial is needed."""
+    from specserve.verifier.policy import TRIAL_EVERY
+    policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=b, gain=1.1, rounds=TRIAL_EVERY - 20)
+    assert len(policy.guard.tried) == 1 and policy.guard.rate(b, False) is not None
+    assert policy.guard.vetoes == 0

@@ -103,11 +103,12 @@ PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each ca
 GUARD_DECAY = 0.99  # the guard: per round it measures at a batch size, of that mode's tokens and seconds there
 GUARD_MIN_ROUNDS = 8.0  # the guard compares the two modes at a batch size once each has this much weight there,
 GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of b sequences weighs b)
-GUARD_HOLD = 256  # rounds a veto holds (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
+GUARD_HOLD = 512  # rounds a veto holds (256 until stop 29) (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
 MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
 GUARD_CLEAR_LOSS = 0.85  # speculating below this of plain decoding holds the veto GUARD_HOLD rounds; a loss between
 # this and 1 - GUARD_MARGIN, which may be noise, holds it a quarter as long (see Guard)
+TRIAL_EVERY = 256  # rounds before a trial of plain rounds at a bucket is tried again (if it measured nothing)
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
 
@@ -336,8 +337,9 @@ class Guard:
     measures better ends the doubling. Where the model keeps speculation on with a small expected
     gain (its average over the bucket's rounds below TRIAL_MARGIN: not at one sequence, where
     speculating clearly pays), plain rounds are tried: speculation pauses for SETTLE_ROUNDS + 4
-    rounds plus as many as the minimum weights need at that batch size, and again GUARD_HOLD
-    rounds later if those did not measure plain decoding there (the batch size moved to another
+    rounds plus as many as the minimum weights need at that batch size (decaying: 102 rounds at one
+    sequence; until stop 29 the trial counted 64 there, which the decayed weight never reached, so
+    the first trial measured nothing), and again TRIAL_EVERY rounds later if those did not measure plain decoding there (the batch size moved to another
     bucket meanwhile). The guard only ever turns speculation off: plain decoding is what "never
     slower than plain" is measured against."""
 
@@ -364,10 +366,12 @@ class Guard:
         bucket = self.bucket(b)
         avg = self.gains[bucket] = gain if bucket not in self.gains else 0.9 * self.gains[bucket] + 0.1 * gain
         if avg >= TRIAL_MARGIN or self.rate(b, True) is None or self.rate(b, False) is not None \
-                or now - self.tried.get(bucket, -GUARD_HOLD) < GUARD_HOLD:
+                or now - self.tried.get(bucket, -TRIAL_EVERY) < TRIAL_EVERY:
             return False
         self.tried[bucket] = now
-        self.until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(max(GUARD_MIN_ROUNDS, GUARD_MIN_SEQUENCE_ROUNDS / b))
+        # rounds until the decaying weights reach the minimums (at one sequence 102, not 64)
+        need = max(GUARD_MIN_ROUNDS, GUARD_MIN_SEQUENCE_ROUNDS / b) * (1 - GUARD_DECAY)
+        self.until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(math.log(1 - need) / math.log(GUARD_DECAY))
         return True
 
     def rate(self, b: int, on: bool) -> float | None:
