@@ -597,3 +597,30 @@ def test_one_trial_of_plain_rounds_measures_plain_decoding(b):
     policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=b, gain=1.1, rounds=TRIAL_EVERY - 20)
     assert len(policy.guard.tried) == 1 and policy.guard.rate(b, False) is not None
     assert policy.guard.vetoes == 0
+
+
+def test_after_a_clear_loss_larger_batches_stay_vetoed_until_the_bucket_that_lost_recovers():
+    """Speculating clearly lost at 8 sequences (0.77 of plain): when the hold ends it is tried at 8
+    again, but not at 16 or 32 (it gains less there), until it measures no loss at 8; a marginal
+    loss (0.9) leaves the larger batches free once its hold ends."""
+    from specserve.verifier.policy import Guard
+
+    def vetoed_at(on_rate):
+        g, now = Guard(), 0
+        for _ in range(40):
+            g.observe(8, False, 8, 8 / 1000, now)
+            now += 1
+        while not g.vetoes and now < 400:
+            g.observe(8, True, 8, 8 / on_rate, now)
+            now += 1
+        assert g.vetoes == 1
+        return g, max(g.until.values()) + 1
+
+    g, after = vetoed_at(770.0)
+    assert g.bucket(8) in g.lost
+    assert not g.vetoed(8, after) and not g.vetoed(4, after) and g.vetoed(16, after) and g.vetoed(32, after)
+    for i in range(20):  # the re-try at 8 measures speculating ahead
+        g.observe(8, True, 8, 8 / 1100, after + i)
+    assert not g.lost and not g.vetoed(16, after + 20) and g.vetoes == 1
+    g, after = vetoed_at(900.0)
+    assert not g.lost and not g.vetoed(16, after) and not g.vetoed(8, after)

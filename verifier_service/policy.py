@@ -329,7 +329,11 @@ class Guard:
     1 - GUARD_MARGIN of plain decoding (a veto at a near-tie, 0.908 against 0.911, left 4
     sequences at 0.89x plain where fixed k ran 1.05-1.08x), speculation is vetoed there and at every larger batch size (speculating gains less the more
     sequences share a pass) for GUARD_HOLD rounds: no drafting, no probes, and its measurement
-    dropped. A marginal loss (speculating at GUARD_CLEAR_LOSS to 1 - GUARD_MARGIN of plain
+    dropped. After a clear loss (below GUARD_CLEAR_LOSS of plain decoding) the larger buckets stay
+    vetoed when the hold ends, until speculating is measured again at the bucket that lost and
+    loses no more there: it gains less the more sequences share a pass, so where it clearly lost
+    at 8 sequences it need not be re-tried at 16 or 32 (in stop 29's runs each re-try at 16
+    sequences cost about a second of drafting in a level of ten). A marginal loss (speculating at GUARD_CLEAR_LOSS to 1 - GUARD_MARGIN of plain
     decoding) holds a quarter as long: at two sequences, where a mode's rate over the minimum
     weights swings by several percent, such a veto held most of a batching level (0.90x plain;
     fixed k 1.24x in the same run, batching_ab.md, stop 29). When the veto ends the model decides again; a new stretch of speculating that
@@ -349,6 +353,7 @@ class Guard:
         self.tried: dict[int, int] = {}  # bucket -> the policy round its last trial of plain rounds began
         self.gains: dict[int, float] = {}  # bucket -> the model's expected gain of speculating, averaged
         self.backoff: dict[int, int] = {}
+        self.lost: set[int] = set()  # buckets whose last comparison was a clear loss (see vetoed)
         self.vetoes = 0  # vetoes so far
 
     @staticmethod
@@ -356,9 +361,11 @@ class Guard:
         return round(2 * math.log2(max(b, 1)))
 
     def vetoed(self, b: int, now: int) -> bool:
-        """A veto at a bucket holds for every larger batch too."""
+        """A veto at a bucket holds for every larger batch too; after a clear loss, for the
+        larger ones even once it has ended, until speculating measures no loss at that bucket."""
         bucket = self.bucket(b)
-        return any(end > now and bk <= bucket for bk, end in self.until.items())
+        return any(end > now and bk <= bucket for bk, end in self.until.items()) \
+            or any(bk < bucket for bk in self.lost)
 
     def try_plain(self, b: int, now: int, gain: float) -> bool:
         """Notes the model's expected gain of speculating at b; starts a trial of plain rounds at
@@ -394,16 +401,20 @@ class Guard:
             hold = GUARD_HOLD << self.backoff.get(bucket, 0)
             if rate_on >= GUARD_CLEAR_LOSS * rate_off:  # a marginal loss: perhaps the noise of a few rounds
                 hold //= 4
+            else:
+                self.lost.add(bucket)
             self.until[bucket] = now + hold
             self.backoff[bucket] = min(self.backoff.get(bucket, 0) + 1, MAX_GUARD_BACKOFF)
             del self.sums[(bucket, True)]
             self.vetoes += 1
         else:
             self.backoff[bucket] = 0
+            self.lost.discard(bucket)
 
     def state(self, now: int) -> dict:
         return {"vetoes": self.vetoes,
                 "vetoed_buckets": sorted(bk for bk, end in self.until.items() if end > now),
+                "lost_buckets": sorted(self.lost),
                 "tried_buckets": sorted(self.tried),
                 "worth_per_s": {f"{bk}{'+spec' if on else ''}": round(t / s, 4)
                                 for (bk, on), (t, s, w, _) in sorted(self.sums.items()) if s > 0 and w >= GUARD_MIN_ROUNDS}}
