@@ -216,7 +216,7 @@ class DraftModelProposer(Proposer):
             live = [i for i, k in enumerate(ks) if step < k]
             greedy = [i for i in live if seqs[i].params.greedy]
             sampled = [i for i in live if not seqs[i].params.greedy]
-            parts = []  # (rows, tokens [r], info [r, 5]) in the order of `order` below
+            parts = []  # (tokens [r], info [r, 5]) per group of rows, in the order of `order` below
             if greedy:  # q only as the drafter's confidence, for pipelining
                 q = torch.softmax(rows_logits if len(greedy) == len(seqs) else
                                   rows_logits.index_select(0, torch.tensor(greedy, device=device)), -1)
