@@ -202,7 +202,8 @@ class DraftModelProposer(Proposer):
     def _draft_on_device(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int], stop=None):
         """The drafting loop, all on the drafter's device: drafted tokens are fed back from there.
         Greedy rows are handled together, a few tensor ops per step for the whole batch (per row,
-        they cost 0.09 ms a step on the reference CPU: a fifth of a round at 8 sequences);
+        they cost 0.07-0.09 ms a step on the reference CPU, benchmarks/diagnostics/drafter_pass.py: at 8
+        sequences a fifth of a round);
         sampled rows one by one (each its own warp and random stream). Returns (q rows per
         sequence, per step (live rows, [rows, 5] of token, q(token), runner-up, q(runner-up),
         largest q))."""
