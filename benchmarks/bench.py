@@ -284,8 +284,11 @@ def bench_batching(args) -> dict:
             by_k = {mode: Counter() for mode in modes}
             phases = {mode: Counter() for mode in modes}  # the engine loop's seconds by phase, and rounds
             seq_rounds = Counter()  # sequence-rounds per row (over its engine rounds: the mean batch)
-            for _ in range(args.repeats):
-                for mode, (_, k, _) in modes.items():
+            for repeat in range(args.repeats):
+                # every other round of runs in the reverse order: a drift of the machine's speed
+                # over the level's runs then hits every row alike on average (the median of two)
+                order = list(modes.items()) if repeat % 2 == 0 else list(modes.items())[::-1]
+                for mode, (_, k, _) in order:
                     before = ray.get(pairs[mode].verifier.times.remote())
                     t0 = time.perf_counter()
                     outs = closed_loop(pairs[mode], prompts, c, per_run[c], args.max_tokens, k)
@@ -369,10 +372,10 @@ def markdown_batching(report: dict, command: str) -> str:
              "requests, concurrency of them in flight (closed loop: a finished one is replaced at once), after one "
              "full-length warm-up request per row; one verifier and "
              "one drafter actor per row, 1 torch thread each; every row's pair is up before any is timed, and at "
-             "each level the rows' runs are interleaved.", "",
+             "each level the rows' runs are interleaved, every other round of runs in the reverse order.", "",
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
              f"k <= {report['k']}), pipelined; and a control: a second plain pair, the same configuration as "
-             "the first in actors of its own, run last in each round of runs (its ratio to plain is the "
+             "the first in actors of its own, run last in the first round of runs (its ratio to plain is the "
              "spread between two identical rows in this run). Plot: `batching.png`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
              "| adaptive tok/s (× plain) | adaptive mean k | control tok/s (× plain) "

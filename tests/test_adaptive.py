@@ -16,8 +16,8 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import (CATCH_UP_TOKENS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, PassCosts,
-                                       SpeculationPolicy, expected_tokens)
+from specserve.verifier.policy import (CATCH_UP_TOKENS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, DraftCosts,
+                                       PassCosts, SpeculationPolicy, expected_tokens)
 
 V = 96
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
@@ -342,6 +342,48 @@ def test_an_in_process_drafter_is_profiled_at_startup_too():
     fits = {b: d for (p, b), d in engine.policy.draft_costs.items() if p == "draft_model"}
     assert sorted(fits) == [1, 2, 4] and all(fit(4) > 0 for fit in fits.values())
     assert drafter.seqs == {}
+
+
+def test_the_miss_cost_slope_holds_to_the_profile_until_calls_at_several_k_say_otherwise():
+    """Online misses mostly come at one k. Noisy calls at k = 4 and one at k = 3 must not tilt
+    M(k) far from the profile's slope (without the prior, that one call set it); calls spread
+    over k = 1..4 with another slope do move it there."""
+    rng = np.random.default_rng(0)
+
+    def profiled():
+        fit = DraftCosts()
+        for _ in range(2):
+            fit.observe(1, 0.004)  # the profile: 2 ms a call plus 2 ms a token
+            fit.observe(4, 0.010)
+        fit.prior_slope = fit.slope()
+        return fit
+
+    fit, bare = profiled(), profiled()
+    bare.prior_slope = None
+    assert fit.slope() == pytest.approx(0.002)
+    for f in (fit, bare):
+        for _ in range(40):
+            f.observe(4, 0.012 * (1 + 0.1 * rng.standard_normal()))
+        f.observe(3, 0.016)  # one slow call at k = 3
+    assert fit.slope() == pytest.approx(0.002, abs=0.0007), fit.slope()
+    assert abs(bare.slope() - 0.002) > 1.8 * abs(fit.slope() - 0.002), bare.slope()  # without the prior
+    assert fit(4) == pytest.approx(0.012, rel=0.1)  # the level is the online calls'
+    for _ in range(40):
+        for k in (1, 2, 3, 4):
+            fit.observe(k, 0.001 + 0.005 * k)  # 5 ms a token, measured over several k
+    assert fit.slope() == pytest.approx(0.005, rel=0.1)
+
+
+def test_a_batch_size_the_profile_did_not_time_takes_the_nearest_profiled_slope():
+    policy = SpeculationPolicy("adaptive")
+    fit = DraftCosts()
+    for k, t in ((1, 0.004), (4, 0.010), (1, 0.004), (4, 0.010)):
+        fit.observe(k, t)
+    fit.prior_slope = fit.slope()
+    policy.draft_costs[("draft_model", 4)] = fit
+    policy.observe_draft("draft_model", 5, 4, 0.02)
+    assert policy.draft_costs[("draft_model", 5)].prior_slope == pytest.approx(0.002)
+    assert policy.draft_cost("draft_model", 5, 2) == pytest.approx(0.02 - 2 * 0.002)
 
 
 def test_plain_rounds_right_after_drafting_ones_do_not_calibrate_or_time_plain_passes():

@@ -24,7 +24,8 @@ sequences drafting k tokens each,
   token). H is an online average of all-hit calls; M is fitted to miss calls per proposer and
   batch size (exponentially weighted least squares), starting from a profile of the drafter's
   miss calls at startup (`profile_drafter`: every batch size of the grid, k = 1 and the most k)
-  that online calls soon outweigh. A row's draft is ready when its last round
+  that online calls soon outweigh, except in the slope m(b): the profile's holds it (a ridge,
+  `DraftCosts`) until calls at several k say otherwise. A row's draft is ready when its last round
   accepted every draft and the drafter's guess of the bonus token was right: probability
   A_i(k) * h, A_i(k) = prod_{l<=k} a_l * s_i and h the proposer's measured hit rate after an
   all-accepted round (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
@@ -91,6 +92,7 @@ DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of its proposer's acceptance rate in a sequence's estimate
 EMA = 0.1  # weight of a new measured pass time (and call, and round overhead)
 DRAFT_EMA = 0.05  # in M(k)'s fit, each new call weighs this much (the slope needs calls at several k)
+SLOPE_PRIOR_WEIGHT = 4.0  # M(k)'s slope: the startup profile's weighs as much as 4 calls one token apart
 CAL_DECAY = 0.95  # calibration: per round, of the summed model and measured seconds
 RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
@@ -163,21 +165,40 @@ class PositionalAcceptance:
 class DraftCosts:
     """M(k) = M0 + k * m for one proposer at one batch size (calls that drafted on demand): least
     squares over the calls seen, older calls weighing less (each new one multiplies the old sums
-    by 1 - DRAFT_EMA)."""
+    by 1 - DRAFT_EMA). The slope m is pulled towards `prior_slope` (the startup profile's, fitted
+    over k = 1 and the most k: `profile_drafter`) with the weight of SLOPE_PRIOR_WEIGHT calls one
+    token apart, a ridge: online calls mostly come at one k (the policy's choice), and from them
+    alone the slope was noise; in stop 29's batching runs the fit put a miss at k = 1 for one
+    sequence anywhere between 3.9 and 17.7 ms, and k choices went with it. Calls spread over
+    several k outweigh the prior soon; the level (M at the k's called) is the online calls'."""
 
-    def __init__(self):
+    def __init__(self, prior_slope: float | None = None):
         self.n = self.sk = self.skk = self.st = self.skt = 0.0
+        self.prior_slope = prior_slope
 
     def observe(self, k: int, seconds: float) -> None:
         f = 1 - DRAFT_EMA
         self.n, self.sk, self.skk = f * self.n + 1, f * self.sk + k, f * self.skk + k * k
         self.st, self.skt = f * self.st + seconds, f * self.skt + k * seconds
 
+    def slope(self) -> float | None:
+        """m of the fit (None before two k were seen, without a prior)."""
+        if self.n <= 0:
+            return self.prior_slope
+        sxx = self.skk - self.sk ** 2 / self.n  # the calls' weighted spread of k, and covariance
+        sxt = self.skt - self.sk * self.st / self.n
+        if self.prior_slope is not None:
+            return max((sxt + SLOPE_PRIOR_WEIGHT * self.prior_slope) / (sxx + SLOPE_PRIOR_WEIGHT), 0.0)
+        if sxx <= 1e-6 * max(self.skk, 1e-12):
+            return None
+        return max(sxt / sxx, 0.0)
+
     def __call__(self, k: int) -> float:
-        var = self.n * self.skk - self.sk ** 2
-        if var <= 1e-6 * max(self.n * self.skk, 1e-12):  # one k seen so far: per pass (k + 1 with the catch-up)
+        d = self.slope()
+        if d is None:  # one k seen so far, no prior: per pass (k + 1 with the catch-up)
             return (k + 1) * self.st / max(self.sk + self.n, 1e-12)
-        d = max((self.n * self.skt - self.sk * self.st) / var, 0.0)
+        if self.n <= 0:
+            return k * d
         d0 = max((self.st - d * self.sk) / self.n, 0.0)
         return d0 + k * d
 
@@ -295,6 +316,7 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
                         costs.observe(k, seconds)
                     if settle:  # let a pipelining drafter finish preparing the next round first
                         time.sleep(settle * seconds)
+            costs.prior_slope = costs.slope()  # (its own calls': the prior of the online fit)
             fits[b] = costs
         finally:
             proposer.release_many(ids)
@@ -673,7 +695,12 @@ class SpeculationPolicy:
             old = self.hit_costs.get((proposer, b))
             self.hit_costs[(proposer, b)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         else:
-            self.draft_costs.setdefault((proposer, b), DraftCosts()).observe(k, seconds)
+            fit = self.draft_costs.get((proposer, b))
+            if fit is None:  # a batch size the profile did not time: the slope of the nearest it did
+                near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items()
+                        if p == proposer and d.prior_slope is not None]
+                fit = self.draft_costs[(proposer, b)] = DraftCosts(min(near, key=lambda x: x[:2])[2].prior_slope if near else None)
+            fit.observe(k, seconds)
 
     def observe_ready(self, proposer: str, ready: bool) -> None:
         """A row drafted after a round that accepted all its drafts: was its draft ready?"""
