@@ -249,6 +249,14 @@ def closed_loop(pair, prompts, concurrency: int, total: int, max_tokens: int, k:
 CONTROL = "plain, control"  # the batching bench's second plain pair
 
 
+def cpu_seconds(pair) -> tuple[float, float]:
+    """CPU seconds so far of the pair's verifier process and drafter process (0: none)."""
+    import ray
+    refs = [pair.verifier.cpu_seconds.remote()] + ([pair.drafter.actor.cpu_seconds.remote()] if pair.drafter else [])
+    got = ray.get(refs)
+    return got[0], (got[1] if len(got) > 1 else 0.0)
+
+
 def bench_batching(args) -> dict:
     """Aggregate tokens/s and inter-token latency at each concurrency, for batched plain decoding
     (k = 0 through the same loop) and batched speculation, sequential and pipelined. A second
@@ -289,12 +297,15 @@ def bench_batching(args) -> dict:
                 # over the level's runs then hits every row alike on average (the median of two)
                 order = list(modes.items()) if repeat % 2 == 0 else list(modes.items())[::-1]
                 for mode, (_, k, _) in order:
-                    before = ray.get(pairs[mode].verifier.times.remote())
+                    before, cpu_before = ray.get(pairs[mode].verifier.times.remote()), cpu_seconds(pairs[mode])
                     t0 = time.perf_counter()
                     outs = closed_loop(pairs[mode], prompts, c, per_run[c], args.max_tokens, k)
                     elapsed = time.perf_counter() - t0
-                    after = ray.get(pairs[mode].verifier.times.remote())
+                    after, cpu_after = ray.get(pairs[mode].verifier.times.remote()), cpu_seconds(pairs[mode])
                     phases[mode].update({p: after["seconds"][p] - before["seconds"][p] for p in after["seconds"]})
+                    phases[mode]["pass_cpu"] += after["pass_cpu"] - before["pass_cpu"]
+                    for actor, t1, t0_ in zip(("verifier_cpu", "drafter_cpu"), cpu_after, cpu_before):
+                        phases[mode][actor] += t1 - t0_
                     phases[mode]["rounds"] += after["rounds"] - before["rounds"]
                     phases[mode]["wall"] += elapsed
                     runs[mode].append(sum(len(o["token_ids"]) for o in outs) / elapsed)
@@ -408,6 +419,17 @@ def markdown_batching(report: dict, command: str) -> str:
                 lines.append(f"| {c} | {m} | {r['rounds']} | {batch} | "
                              + " | ".join(f"{r['ms_per_round'].get(ph, 0.0):.2f}" for ph in PHASES)
                              + f" | {r['ms_per_round']['wall']:.2f} |")
+        if "pass_cpu" in rows["plain"][report["concurrency"][0]]["ms_per_round"]:
+            lines += ["", "CPU per round (ms): the target pass's wall time and the loop thread's CPU time in it "
+                      "(a gap: the pass waited for the CPU or the GIL), and the CPU time of the verifier's and "
+                      "the drafter's whole processes over the level's runs, per round:", "",
+                      "| concurrency | row | pass wall | pass CPU | verifier process CPU | drafter process CPU |",
+                      "|---|---|---|---|---|---|"]
+            for c in report["concurrency"]:
+                for m in rows:
+                    t = rows[m][c]["ms_per_round"]
+                    lines.append(f"| {c} | {m} | {t['pass']:.2f} | {t['pass_cpu']:.2f} | {t['verifier_cpu']:.2f} "
+                                 f"| {t['drafter_cpu']:.2f} |")
     stop = report["speculation_stops_paying_at"]
     lines += ["", f"- fixed-k speculation stops paying at concurrency: "
               f"{stop if stop is not None else 'not within the range measured'}",

@@ -92,6 +92,17 @@ def test_join_and_leave_mid_flight():
     assert len(eng.free_slots) == 4
 
 
+def test_round_times_hold_the_passes_cpu_time_beside_their_wall_time():
+    """`RoundTimes.pass_cpu`: the loop thread's CPU seconds in the passes, some and never more
+    than their wall seconds (plus the clocks' granularity)."""
+    eng = engine(tiny_model("llama", V, seed=3), tiny_model("gpt2", V, seed=4), slots=2)
+    reqs = [eng.submit([1 + i, 2, 3], 20, SamplingParams(), k=3) for i in range(2)]
+    while any(not r.done.is_set() for r in reqs):
+        eng.step()
+    times = eng.times.to_dict()
+    assert times["rounds"] > 0 and 0 < times["pass_cpu"] <= times["seconds"]["pass"] + 0.01 * times["rounds"]
+
+
 def test_sampled_output_does_not_depend_on_the_batch():
     target, drafter = tiny_model("llama", V, seed=5), tiny_model("llama", V, seed=6, layers=1)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)

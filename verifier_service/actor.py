@@ -61,5 +61,10 @@ class VerifierActor:
     def health(self) -> dict:
         return self.engine.health()
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds of this actor's whole process so far (every thread: for benchmarks)."""
+        import time
+        return time.process_time()
+
     def accelerator_ids(self) -> list[str]:
         return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])

@@ -129,16 +129,19 @@ class RoundTimes:
     calls that drafted
     ("draft"), calls that only caught a drafter up ("catch_up"), waiting for drafts asked for
     early ("early_wait"), the target pass with the acceptance rule ("pass"), the rest of the
-    round (bookkeeping, callbacks, the early send: "rest") and batched releases ("release")."""
+    round (bookkeeping, callbacks, the early send: "rest") and batched releases ("release").
+    pass_cpu: the loop thread's CPU seconds in the passes (against "pass", the wall seconds: a
+    pass that waited for the CPU or the GIL shows a gap; one that ran slower, none)."""
 
     rounds: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    pass_cpu: float = 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
     def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "seconds": dict(self.seconds)}
+        return {"rounds": self.rounds, "seconds": dict(self.seconds), "pass_cpu": self.pass_cpu}
 
 
 @dataclass
@@ -666,11 +669,12 @@ class SpeculativeEngine:
         t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]
         written = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.target.score_batch([(r.slot, [r.pending] + d.tokens) for r, d in zip(running, drafts)])
         # the acceptance rule for the whole round, on the target's device: one transfer back
         outcomes = self._accept(running, drafts, logits)
         t_pass = time.perf_counter() - t0
+        self.times.pass_cpu += time.thread_time() - c0
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
         t_join = time.perf_counter()
