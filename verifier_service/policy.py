@@ -197,9 +197,7 @@ class DraftCosts:
         d = self.slope()
         if d is None:  # one k seen so far, no prior: per pass (k + 1 with the catch-up)
             return (k + 1) * self.st / max(self.sk + self.n, 1e-12)
-        if self.n <= 0:
-            return k * d
-        d0 = max((self.st - d * self.sk) / self.n, 0.0)
+        d0 = max((self.st - d * self.sk) / self.n, 0.0) if self.n > 0 else 0.0
         return d0 + k * d
 
 
@@ -646,14 +644,21 @@ class SpeculationPolicy:
         """D(b, k) = ready * H + (1 - ready) * M(b, k); ready: P(every row's draft is ready)."""
         if not k or proposer is None:
             return 0.0
-        near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items() if p == proposer]
-        if near:
-            miss = min(near, key=lambda x: x[:2])[2](k)
+        fit = self._nearest_fit(proposer, b)
+        if fit is not None:
+            miss = fit(k)
         else:  # before any measurement: a drafter pass a quarter of a target pass (the n-gram: nothing)
             miss = 0.0 if proposer == "ngram" else 0.25 * k * self.costs(b, 1)
         hits = [(abs(bb - b), bb, h) for (p, bb), h in self.hit_costs.items() if p == proposer]
         hit = min(hits)[2] if hits else miss
         return ready * hit + (1 - ready) * miss
+
+    def _nearest_fit(self, proposer: str, b: int, profiled: bool = False) -> DraftCosts | None:
+        """The proposer's M(k) fit at the batch size nearest b (the smaller on a tie); profiled:
+        among the fits with a profile's slope only."""
+        near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items()
+                if p == proposer and (not profiled or d.prior_slope is not None)]
+        return min(near, key=lambda x: x[:2])[2] if near else None
 
     def state(self) -> dict:
         """What the policy believes now (for operators and benchmarks): times in ms."""
@@ -697,9 +702,8 @@ class SpeculationPolicy:
         else:
             fit = self.draft_costs.get((proposer, b))
             if fit is None:  # a batch size the profile did not time: the slope of the nearest it did
-                near = [(abs(bb - b), bb, d) for (p, bb), d in self.draft_costs.items()
-                        if p == proposer and d.prior_slope is not None]
-                fit = self.draft_costs[(proposer, b)] = DraftCosts(min(near, key=lambda x: x[:2])[2].prior_slope if near else None)
+                nearest = self._nearest_fit(proposer, b, profiled=True)
+                fit = self.draft_costs[(proposer, b)] = DraftCosts(nearest.prior_slope if nearest else None)
             fit.observe(k, seconds)
 
     def observe_ready(self, proposer: str, ready: bool) -> None:
