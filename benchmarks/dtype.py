@@ -4,7 +4,7 @@ decoding: the share of positions that differ). It is what `dtype: auto` on a CPU
 
 Rows, per model of the pair: float32 (the CPU GEMM plan, fast_llama.GemmPlan); bfloat16 with
 F.linear (its weight reordered by oneDNN on every call); bfloat16 with prepacked weights
-(fast_llama.packed_bf16, used where the CPU has bf16 matrix units) with SDPA, and with the
+(fast_llama.packed_bf16, used where the CPU multiplies bf16 in hardware: AMX or AVX512-BF16) with SDPA, and with the
 attention that path uses (`FastLlama._attend_same_bits`; the other rows use SDPA). Every (row, batch, width)
 case is drawn at random before each pass, so drift of a shared machine hits all alike; medians.
 
@@ -30,7 +30,7 @@ WIDTHS = (1, 5)
 
 
 def _models(path: str):
-    """The three rows' FastLlama over one checkpoint (None for the packed row without AMX)."""
+    """The three rows' FastLlama over one checkpoint (None for the packed row without bf16 GEMM in hardware)."""
     from transformers import AutoModelForCausalLM
 
     from specserve.core.fast_llama import FastLlama
@@ -77,11 +77,11 @@ def differing_positions(fast, vocab: int, lengths=(70, 125, 128, 160, 200, 250))
 def bench(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from specserve.core.fast_llama import cpu_has_bf16_matrix_units
+    from specserve.core.fast_llama import _cpu_model, cpu_has_bf16_gemm
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     report = {"models": args.models, "passes": args.passes, "threads": 1,
-              "cpu_has_bf16_matrix_units": cpu_has_bf16_matrix_units(), "models_ms": {}, "differing_positions": {}}
+              "cpu_has_bf16_gemm": cpu_has_bf16_gemm(), "cpu": _cpu_model(), "models_ms": {}, "differing_positions": {}}
     for name in ("target", "drafter"):
         rows = _models(str(Path(args.models) / name))
         vocab = next(iter(rows.values())).cfg.vocab_size
@@ -108,8 +108,8 @@ def markdown(report: dict, command: str) -> str:
              f"Models: `{report['models']}`, the lean forward (`FastLlama`), eager, {report['threads']} torch thread; "
              f"pass time in ms, median over {report['passes']} passes per model, the (row, batch, width) case drawn "
              "at random before each; a pass appends `width` tokens to each of `batch` slots holding 99 "
-             f"(width 1: the last position's logits only). CPU has bf16 matrix units (AMX): "
-             f"{report['cpu_has_bf16_matrix_units']}.", ""]
+             f"(width 1: the last position's logits only). CPU: {report.get('cpu', 'not recorded')}; bfloat16 products in "
+             f"hardware (AMX or AVX512-BF16, `fast_llama.cpu_has_bf16_gemm`): {report['cpu_has_bf16_gemm']}.", ""]
     for name, rows in report["models_ms"].items():
         lines += [f"**{name}**", "", "| batch | " + " | ".join(f"{row}: w1 / w5 (w5/w1)" for row in rows) + " |",
                   "|---|" + "---|" * len(rows)]

@@ -167,10 +167,16 @@ class GemmPlan:
 
 
 @functools.cache  # asked at every load and FastLlama; the CPU does not change
-def cpu_has_bf16_matrix_units() -> bool:
-    """True on a CPU with AMX (bf16 tiles) that torch's oneDNN can use for bfloat16 GEMMs."""
+def cpu_has_bf16_gemm() -> bool:
+    """True on a CPU whose bfloat16 products torch's oneDNN runs in hardware: AMX tiles (Xeon
+    Sapphire Rapids and later) or AVX512-BF16 dot products (AMD Zen 4 and later, Xeon Cooper
+    Lake). Until stop 31 this asked for AMX only, and an AVX512-BF16 CPU ran float32: on the
+    project's 2-core AMD EPYC (Zen 4) the prepacked bfloat16 target's pass took 0.46-0.96x the
+    float32 one's at 1-32 sequences and widths 1 and 5, with the same bits at every width
+    (docs/benchmarks/dtype.md)."""
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+        return bool(torch.backends.mkldnn.is_available()
+                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
                     and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
@@ -184,7 +190,7 @@ def packs_bf16(config) -> bool:
     than the oneDNN one a wider pass gets, and a position would no longer score the same bits at
     every width; the check keeps a factor 2 to spare. Models that small (the tests' tiny ones) run
     float32 under `dtype: auto`."""
-    if not supports(config) or not cpu_has_bf16_matrix_units():
+    if not supports(config) or not cpu_has_bf16_gemm():
         return False
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -196,14 +202,14 @@ PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (result
 
 def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """bfloat16 weights reordered once into oneDNN's blocked layout, by id of the weight, or None
-    (not bfloat16, or no bf16 matrix units). F.linear in bfloat16 reorders its weight on every
+    (not bfloat16, or no bf16 GEMM in hardware: `cpu_has_bf16_gemm`). F.linear in bfloat16 reorders its weight on every
     call, which for these small matrices costs more than the product. The packed product gives the
     same bits as F.linear, and, unlike float32 MKL, the same bits for a row whatever the number of
     rows in the call; with the path's own attention (`FastLlama._attend_same_bits`) a (k+1)-wide
     verify pass scores each position exactly as a one-token pass does (tests/test_runner.py).
     Pass times against float32 on the demo pair: docs/benchmarks/dtype.md. The packed copies are
     kept beside the model's own weights (twice a bfloat16 model's weight memory)."""
-    if not weights or any(w.dtype != torch.bfloat16 for w in weights) or not cpu_has_bf16_matrix_units():
+    if not weights or any(w.dtype != torch.bfloat16 for w in weights) or not cpu_has_bf16_gemm():
         return None
     reorder = torch.ops.mkldnn._reorder_linear_weight
     return {id(w): reorder(w.detach(), PACK_ROWS_HINT) for w in weights}
@@ -277,7 +283,7 @@ class FastLlama:
         self.compiled = compile
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
-        # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU has bf16 matrix units
+        # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU multiplies bf16 in hardware
         # (see packed_bf16); otherwise each weight's GEMM layout picked by measurement (GemmPlan)
         self.packed = packed_bf16(self._weights()) \
             if not compile and self.device.type == "cpu" and packs_bf16(cfg) else None

@@ -56,7 +56,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
                   packs: bool = True) -> torch.dtype:
     """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a target (role
     "target") that the lean forward multiplies by prepacked bf16 weights (`packs`: see
-    fast_llama.packs_bf16), where the CPU has bf16 matrix units (AMX); float32 otherwise and for
+    fast_llama.packs_bf16), where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16:
+    fast_llama.cpu_has_bf16_gemm); float32 otherwise and for
     the drafter (role "drafter"). Measured on the demo pair, one thread (docs/benchmarks/dtype.md):
     the prepacked bfloat16 target was faster than float32 at every batch and width measured, and a
     position scores the same bits at any width there, so greedy speculation stays exactly plain
@@ -67,8 +68,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        from specserve.core.fast_llama import cpu_has_bf16_matrix_units
-        return torch.bfloat16 if role == "target" and packs and cpu_has_bf16_matrix_units() else torch.float32
+        from specserve.core.fast_llama import cpu_has_bf16_gemm
+        return torch.bfloat16 if role == "target" and packs and cpu_has_bf16_gemm() else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]

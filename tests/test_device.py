@@ -82,9 +82,9 @@ def test_random_streams_live_on_the_requested_device():
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from specserve.core.fast_llama import cpu_has_bf16_matrix_units
-    amx = cpu_has_bf16_matrix_units()
-    assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if amx else torch.float32)
+    from specserve.core.fast_llama import cpu_has_bf16_gemm
+    bf16 = cpu_has_bf16_gemm()
+    assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if bf16 else torch.float32)
     assert resolve_dtype("auto", torch.device("cpu"), packs=False) == torch.float32
     assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
@@ -111,7 +111,7 @@ def test_greedy_speculation_is_exact_in_half_precision(dtype):
     scores k+1 positions in one pass, plain decoding one at a time. They may part only at a tie
     within one rounding step of that precision (there a one-row and a (k+1)-row pass can round
     to different winners; measured: float16 has one such tie, a gap of exactly 0.0, in 10 prompts
-    x 40 tokens, bfloat16 none). On a CPU with bf16 matrix units the bfloat16 products are
+    x 40 tokens, bfloat16 none). On a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16) the bfloat16 products are
     prepacked and give a position the same bits at any width (fast_llama.packed_bf16): there the
     two must agree on every prompt."""
     torch.set_num_threads(1)
@@ -120,8 +120,8 @@ def test_greedy_speculation_is_exact_in_half_precision(dtype):
     drafter = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"), dtype=dtype)
     spec = SpeculativeEngine(target, DraftModelProposer(drafter))
     plain = SpeculativeEngine(target, None)
-    from specserve.core.fast_llama import cpu_has_bf16_matrix_units
-    bitwise = dtype == "bfloat16" and cpu_has_bf16_matrix_units()
+    from specserve.core.fast_llama import cpu_has_bf16_gemm
+    bitwise = dtype == "bfloat16" and cpu_has_bf16_gemm()
     equal = 0
     prompts = heldout_prompts(DEFAULT_MODEL_DIR, 4, 48, target.tokenizer)
     if bitwise:  # and past the attended length's bucket boundaries (128, 192), where SDPA parted
@@ -155,7 +155,7 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
 
 def test_auto_dtype_by_role_and_model(tmp_path):
     """`dtype: auto` on a CPU, as the builder loads a pair: the demo target in bfloat16 exactly
-    where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX CPU), the drafter in
+    where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX or AVX512-BF16 CPU), the drafter in
     float32 always; a model too small for that path (the tests' tiny target) in float32."""
     from transformers import AutoConfig
 

@@ -190,19 +190,19 @@ def test_adopting_a_branch_works_once_the_cache_has_grown():
 
 
 def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
-    """On a CPU with bf16 matrix units, a bfloat16 FastLlama multiplies by prepacked weights, and a position scores the same bits in a 1-, 2-, 5- (next
+    """On a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16), a bfloat16 FastLlama multiplies by prepacked weights, and a position scores the same bits in a 1-, 2-, 5- (next
     to another sequence) or 9-wide pass, so a verify pass agrees exactly with plain decoding.
     Elsewhere (and for float32 weights) nothing is packed."""
-    from specserve.core.fast_llama import FastLlama, cpu_has_bf16_matrix_units, packed_bf16
+    from specserve.core.fast_llama import FastLlama, cpu_has_bf16_gemm, packed_bf16
     from specserve.config import DEFAULT_MODEL_DIR
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR / "target"), dtype=torch.bfloat16)
     assert packed_bf16([model.lm_head.weight.float()]) is None
     fast = FastLlama(model, slots=2)
-    if not cpu_has_bf16_matrix_units():
+    if not cpu_has_bf16_gemm():
         assert fast.packed is None
-        pytest.skip("this CPU has no bf16 matrix units (AMX): nothing is packed")
+        pytest.skip("this CPU has no bf16 GEMM in hardware (AMX or AVX512-BF16): nothing is packed")
     assert fast.packed is not None and fast.gemm is None
     g = torch.Generator().manual_seed(0)
     prompt, cont = None, None

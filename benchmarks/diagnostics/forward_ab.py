@@ -6,7 +6,7 @@ pass), the version and case drawn at random before every pass, medians of ~400 p
     git show REV:core/fast_llama.py > /tmp/fast_llama_old.py
     .venv/bin/python benchmarks/diagnostics/forward_ab.py /tmp/fast_llama_old.py [core/fast_llama.py [TARGET_DTYPE]]
 
-TARGET_DTYPE: float32 (the default) or bfloat16 (what `dtype: auto` gives the target on an AMX CPU).
+TARGET_DTYPE: float32 (the default) or bfloat16 (what `dtype: auto` gives the target on an AMX or AVX512-BF16 CPU).
 """
 import importlib.util, os, random, statistics, sys, time, torch
 from specserve.core.runner import compile_cache_dir
