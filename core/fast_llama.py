@@ -171,7 +171,7 @@ def cpu_has_bf16_gemm() -> bool:
     """True on a CPU whose bfloat16 products torch's oneDNN runs in hardware: AMX tiles (Xeon
     Sapphire Rapids and later) or AVX512-BF16 dot products (AMD Zen 4 and later, Xeon Cooper
     Lake). Until stop 31 this asked for AMX only, and an AVX512-BF16 CPU ran float32: on the
-    project's 2-core AMD EPYC (Zen 4) the prepacked bfloat16 target's pass took 0.46-0.96x the
+    project's 2-core AMD EPYC (Zen 4) the prepacked bfloat16 target's pass took 0.47-1.01x the
     float32 one's at 1-32 sequences and widths 1 and 5, with the same bits at every width
     (docs/benchmarks/dtype.md)."""
     try:

@@ -59,7 +59,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     fast_llama.packs_bf16), where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16:
     fast_llama.cpu_has_bf16_gemm); float32 otherwise and for
     the drafter (role "drafter"). Measured on the demo pair, one thread (docs/benchmarks/dtype.md):
-    the prepacked bfloat16 target was faster than float32 at every batch and width measured, and a
+    the prepacked bfloat16 target was faster than float32 at every batch and width measured on
+    the AMX Xeon, and at most 1% slower (one sequence, width 1) on an AVX512-BF16 EPYC; a
     position scores the same bits at any width there, so greedy speculation stays exactly plain
     decoding; the small drafter at one sequence is bound by per-call overhead, where float32 was
     the faster."""
