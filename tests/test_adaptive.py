@@ -244,7 +244,10 @@ def test_the_drafter_is_profiled_at_startup_for_every_batch_size():
     from specserve.verifier.client import RemoteProposer
     from specserve.verifier.policy import profile_drafter
 
-    server, port, servicer = serve(tiny_model("llama", V, seed=8, hidden=32, layers=1), host="127.0.0.1",
+    # a drafter big enough that three more tokens stand out of a call's noise: with hidden 32 and
+    # one layer a call at k = 4 cost 0.1-4 ms more than at k = 1 on a 2-core CI machine, and one
+    # fit in a few came out flat; at 256 x 4 layers the gap was 2.3-7 ms in every one of 18 fits
+    server, port, servicer = serve(tiny_model("llama", V, seed=8, hidden=256, layers=4), host="127.0.0.1",
                                    pipeline=True, max_sequences=6)
     try:
         remote = RemoteProposer(f"127.0.0.1:{port}")

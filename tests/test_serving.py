@@ -58,12 +58,14 @@ def test_completion_and_stream_agree(client):
 
 def test_a_colocated_app_serves_the_same_text(server, client, tiny_pair_dir):
     """`colocate: true`: each replica loads the drafter itself (no drafter actor): the same
-    greedy text as the pair of the main app, with drafts made, through the openai client."""
+    greedy text as the pair of the main app, with drafts made, through the openai client. Fixed k:
+    in process nothing hides the drafting, and on CI's 2-core machine (stop 31) the adaptive policy
+    drafted no token for the tiny pair there; this test is about the colocated drafts, not the policy."""
     from ray import serve
 
     from specserve.cluster.serve_app import build_app
     args = {"model": MODEL, "target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"], "k": 3,
-            "max_num_seqs": 2, "cpus_per_actor": 1, "colocate": True}
+            "speculation": "fixed", "max_num_seqs": 2, "cpus_per_actor": 1, "colocate": True}
     serve.run(build_app(args), name="colocated", route_prefix="/colocated")
     try:
         colocated = openai.OpenAI(base_url=server + "/colocated/v1", api_key="unused", max_retries=0, timeout=60)

@@ -275,7 +275,7 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dic
     return grid
 
 
-def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps: int = 2,
+def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps: int = 3,
                     settle: float = 0.0) -> dict[int, DraftCosts]:
     """Times on-demand drafting calls on a grid, so that a batch size the policy has not seen yet
     does not start from a guess: b in powers of two up to max_batch, k in {1, max_k}. Each timed
@@ -285,7 +285,10 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
     has, at small batches, by the time a verification pass ends) before the next call; back to
     back, every timed call also waited for the preparation the call before it started, and the
     profile put a miss at k = 4 for one sequence at 12.1-12.6 ms, settled at 6.1-6.9, and the
-    misses of real rounds took 6.33 (median; benchmarks/diagnostics/profile_settle.py). Runs at startup on
+    misses of real rounds took 6.33 (median; benchmarks/diagnostics/profile_settle.py). Each k's
+    calls enter the fit as their median (weighing reps calls), as profile_target's passes do: with
+    each call entering alone, one stalled call at k = 1 (a busy 2-core CI machine) flattened the
+    fitted slope to 0 and M(1) = M(4). Runs at startup on
     sequences of its own (released after); returns {b: M(k) fitted to its calls}, up to the
     largest batch the proposer took (a drafter with fewer free sequences stops the grid there)."""
     from specserve.core.proposer import CapacityError, ProposeItem
@@ -303,6 +306,7 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
         try:
             costs, drafted = DraftCosts(), [[] for _ in ids]
             for k in sorted({1, max_k}):
+                times = []
                 for rep in range(reps + 1):
                     # two tokens, the first unlike the last draft's first: a miss for any outcome
                     new = [[(d[0] + 1) % vocab_size if d else prompt[0]] * 2 for d in drafted]
@@ -311,9 +315,11 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
                     seconds = time.perf_counter() - t0
                     drafted = [d.tokens for d in out]
                     if rep:  # the first call of each k warms up
-                        costs.observe(k, seconds)
+                        times.append(seconds)
                     if settle:  # let a pipelining drafter finish preparing the next round first
                         time.sleep(settle * seconds)
+                for _ in times:
+                    costs.observe(k, statistics.median(times))
             costs.prior_slope = costs.slope()  # (its own calls': the prior of the online fit)
             fits[b] = costs
         finally:
