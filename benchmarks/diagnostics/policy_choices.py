@@ -22,5 +22,5 @@ for i, p in enumerate(prompts * 2):
     print(i, out["stats"]["rounds_by_k"], "hits", out["stats"]["num_pipeline_hits"], "cal", {k: v for k, v in st["calibration"].items() if k.split("+")[0] == "1"}, "h", st["ready_after_all_accepted"])
     if i in (0, 3, 15):
         print("   ", st["recent_choices_b_k_rate0_ratebest_probe"])
-        print("   draft", {k: v for k, v in st["draft_ms_for_k_1_and_4"].items() if k.endswith("@1")}, "ready", st["ready_call_ms"], "pass", {k: v for k, v in st["target_pass_ms"].items() if k.startswith("1x")}, "over", st["round_overhead_ms"])
+        print("   draft", {k: v for k, v in st["draft_ms_for_k_1_and_4"].items() if k.endswith("@1")}, "ready", st["ready_call_ms"], "pass", {k: v for k, v in st["target_pass_ms"].items() if k.startswith("1x")}, "over", st["round_overhead_ms"], "guard", st["guard"])
 pair.shutdown()
