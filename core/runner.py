@@ -54,23 +54,26 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target",
                   packs: bool = True) -> torch.dtype:
-    """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a target (role
-    "target") that the lean forward multiplies by prepacked bf16 weights (`packs`: see
-    fast_llama.packs_bf16), where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16:
-    fast_llama.cpu_has_bf16_gemm); float32 otherwise and for
-    the drafter (role "drafter"). Measured on the demo pair, one thread (docs/benchmarks/dtype.md):
-    the prepacked bfloat16 target was faster than float32 at every batch and width measured on
-    the AMX Xeon, and at most 1% slower (one sequence, width 1) on an AVX512-BF16 EPYC; a
-    position scores the same bits at any width there, so greedy speculation stays exactly plain
-    decoding; the small drafter at one sequence is bound by per-call overhead, where float32 was
-    the faster."""
+    """"auto": bfloat16 on a GPU that supports it. On a CPU: bfloat16 for a model that the lean
+    forward multiplies by prepacked bf16 weights (`packs`: see fast_llama.packs_bf16), where the
+    CPU multiplies bf16 in hardware (AMX or AVX512-BF16: fast_llama.cpu_has_bf16_gemm); float32
+    otherwise. Measured on the demo pair, one thread (docs/benchmarks/dtype.md): the prepacked
+    bfloat16 target was faster than float32 at every batch and width measured on the AMX Xeon,
+    and at most 1% slower (one sequence, width 1) on an AVX512-BF16 EPYC; a position scores the
+    same bits at any width there, so greedy speculation stays exactly plain decoding, and a
+    drafter's prepared drafts are the ones it would draft on demand. role ("target" or
+    "drafter") no longer changes the choice: until stop 32 the drafter stayed float32, whose
+    pass alone was the faster at one sequence (1.87 against 2.64 ms on the EPYC), but beside the
+    target's passes, in the speculative loop, the packed bfloat16 drafter (half the bytes to
+    read per pass) made in-process speculation 1.11-1.23x faster at one sequence on the EPYC
+    (three runs; see docs/benchmarks/distributed.md for the pair)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         from specserve.core.fast_llama import cpu_has_bf16_gemm
-        return torch.bfloat16 if role == "target" and packs and cpu_has_bf16_gemm() else torch.float32
+        return torch.bfloat16 if packs and cpu_has_bf16_gemm() else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -154,14 +157,14 @@ class ModelRunner:
                         device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False,
                         role: str = "target"):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
-        and resolve_dtype; role "target" or "drafter" matters to "auto"). compile: True, False or
+        and resolve_dtype; role: "target" or "drafter", which "auto" treats alike since stop 32). compile: True, False or
         "auto" (see resolve_compile)."""
         if role not in ("target", "drafter"):
             raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
         _check_dir(path)
         device = resolve_device(device)
         config, packs = None, True
-        if dtype == "auto" and device.type == "cpu" and role == "target":  # bf16 only where it packs
+        if dtype == "auto" and device.type == "cpu":  # bf16 only where it packs
             from specserve.core.fast_llama import packs_bf16
             try:
                 config = AutoConfig.from_pretrained(path, local_files_only=True)

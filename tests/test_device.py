@@ -86,7 +86,7 @@ def test_device_and_dtype_resolution():
     bf16 = cpu_has_bf16_gemm()
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if bf16 else torch.float32)
     assert resolve_dtype("auto", torch.device("cpu"), packs=False) == torch.float32
-    assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == torch.float32
+    assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == resolve_dtype("auto", torch.device("cpu"))
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ModelLoadError):
         resolve_dtype("float8", torch.device("cpu"))
@@ -153,10 +153,10 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
 
 
-def test_auto_dtype_by_role_and_model(tmp_path):
-    """`dtype: auto` on a CPU, as the builder loads a pair: the demo target in bfloat16 exactly
-    where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX or AVX512-BF16 CPU), the drafter in
-    float32 always; a model too small for that path (the tests' tiny target) in float32."""
+def test_auto_dtype_by_model(tmp_path):
+    """`dtype: auto` on a CPU, as the builder loads a pair: each demo model in bfloat16 exactly
+    where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX or AVX512-BF16 CPU),
+    the drafter as the target; a model too small for that path (the tests' tiny target) in float32."""
     from transformers import AutoConfig
 
     from specserve.builder import build_engine
@@ -168,7 +168,10 @@ def test_auto_dtype_by_role_and_model(tmp_path):
     packs = packs_bf16(AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR / "target")))
     assert engine.target.model.dtype == (torch.bfloat16 if packs else torch.float32)
     assert (engine.target.fast.packed is not None) == packs
-    assert engine.proposers["draft_model"].runner.model.dtype == torch.float32
+    drafter = engine.proposers["draft_model"].runner
+    drafter_packs = packs_bf16(AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter")))
+    assert drafter.model.dtype == (torch.bfloat16 if drafter_packs else torch.float32)
+    assert (drafter.fast.packed is not None) == drafter_packs
     tiny_target, _ = make_tiny_pair(str(tmp_path))
     assert not packs_bf16(AutoConfig.from_pretrained(tiny_target))
     assert ModelRunner.from_pretrained(tiny_target).model.dtype == torch.float32

@@ -39,8 +39,8 @@ def plain_greedy(target_path, prompt, n, dtype="auto"):
 def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
     """Two pairs per mode (a pair up costs seconds here): a drafter unlike its target, and the
     target as its own drafter (every draft accepted: the pipeline must hit). That one runs both
-    models in float32: `dtype: auto` may give a CPU target bfloat16 and its drafter float32, and
-    then the two are no longer the same model."""
+    models in float32 (until stop 32, `dtype: auto` gave a CPU target bfloat16 and its drafter
+    float32; float32 keeps the two one model whatever auto picks)."""
     for i in which:
         target, drafter = pairs[i]
         dtype = "float32" if target == drafter else "auto"
