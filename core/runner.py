@@ -65,8 +65,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     "drafter") no longer changes the choice: until stop 32 the drafter stayed float32, whose
     pass alone was the faster at one sequence (1.87 against 2.64 ms on the EPYC), but beside the
     target's passes, in the speculative loop, the packed bfloat16 drafter (half the bytes to
-    read per pass) made in-process speculation 1.11-1.23x faster at one sequence on the EPYC
-    (three runs; see docs/benchmarks/distributed.md for the pair)."""
+    read per pass) made in-process speculation 1.08-1.23x faster at one sequence on the EPYC
+    (four runs of benchmarks/diagnostics/drafter_dtype_loop.py)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
