@@ -33,7 +33,7 @@ import sys, torch
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner
 from specserve.drafter.server import serve
-runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter", role="drafter")
+runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter", role="drafter", dtype=sys.argv[3])
 server, port, _ = serve(runner.model, port=0, pipeline=sys.argv[2] == "1")
 print(port, flush=True)
 sys.stdin.read()  # until the parent closes it
@@ -42,10 +42,10 @@ server.stop(0)
 
 
 class DrafterProcess:
-    """A drafter gRPC server in a child process (one torch thread)."""
+    """A drafter gRPC server in a child process (one torch thread), its model in `dtype`."""
 
-    def __init__(self, drafter_path: str, pipeline: bool):
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, drafter_path, "1" if pipeline else "0"],
+    def __init__(self, drafter_path: str, pipeline: bool, dtype: str = "auto"):
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, drafter_path, "1" if pipeline else "0", dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
