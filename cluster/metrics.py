@@ -40,6 +40,12 @@ class Metrics:
                                          "for those rounds (over prepared_rounds: the fan-out used)", registry=r)
         self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
         self.waiting = Gauge("specserve_num_requests_waiting", "Sequences queued for a slot", registry=r)
+        self.speculating = Gauge("specserve_spec_decode_policy_speculating", "Pairs whose speculation policy "
+                                 "drafts now (adaptive: its last round drafted; fixed: always)", registry=r)
+        self.guard_vetoes = Gauge("specserve_spec_decode_guard_vetoes", "Vetoes of speculation by the adaptive "
+                                  "policy's guard, summed over pairs since each started", registry=r)
+        self.guard_holds = Gauge("specserve_spec_decode_guard_holds", "Pairs where a veto of the guard (or its trial "
+                                 "of plain rounds) holds now", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("specserve_inter_token_latency_seconds", "Time between output tokens", registry=r,
@@ -75,6 +81,9 @@ class Metrics:
     def render(self, loads: list[dict]) -> bytes:
         self.running.set(sum(x["running"] for x in loads))
         self.waiting.set(sum(x["waiting"] for x in loads))
+        self.speculating.set(sum(x.get("speculating", 0) for x in loads))
+        self.guard_vetoes.set(sum(x.get("guard_vetoes", 0) for x in loads))
+        self.guard_holds.set(sum(x.get("guard_holds", 0) for x in loads))
         return generate_latest(self.registry)
 
 

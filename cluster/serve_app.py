@@ -148,7 +148,7 @@ class PairReplica:
                 self.engine.cancel(request["id"])
 
     def load(self) -> dict:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting, **self.engine.policy.gauges()}
 
     def health(self) -> dict:
         return self.engine.health()

@@ -53,7 +53,7 @@ def add_device_args(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=default,
                    help="where the models run (auto: a GPU when one is visible)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
-                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for the target where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), float32 otherwise and for the drafter)")
+                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), float32 otherwise)")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--compile", dest="compile", action="store_const", const=True, default=default,
                    help="torch.compile the forward (default: auto, i.e. on a GPU only; see docs/benchmarks/runtime.md)")

@@ -669,3 +669,22 @@ def test_after_a_clear_loss_larger_batches_stay_vetoed_until_the_bucket_that_los
     assert not g.lost and not g.vetoed(16, after + 20) and g.vetoes == 1
     g, after = vetoed_at(900.0)
     assert not g.lost and not g.vetoed(16, after) and not g.vetoed(8, after)
+
+
+def test_the_policy_gauges_follow_its_guard_and_choices():
+    """`SpeculationPolicy.gauges` (what /metrics shows): fixed always drafts; adaptive drafts
+    when its last chosen round did; a veto of the guard counts and holds."""
+    from specserve.verifier.policy import Acceptance, PassCosts, SpeculationPolicy
+
+    assert SpeculationPolicy("fixed").gauges() == {"speculating": 1, "guard_vetoes": 0, "guard_holds": 0}
+    policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 0.01 for w in range(1, 6)}))
+    policy.prepared.add("draft_model")
+    ks = policy.choose([4], [Acceptance()], ["draft_model"])
+    assert policy.gauges()["speculating"] == int(ks[0] > 0)
+    for now in range(300):  # speculating measured at half plain decoding's worth per second
+        policy.guard.observe(1, True, 1, 0.02, now)
+        policy.guard.observe(1, False, 1, 0.01, now)
+    assert policy.guard.vetoes >= 1
+    assert policy.gauges()["guard_vetoes"] == policy.guard.vetoes and policy.gauges()["guard_holds"] == 1
+    assert policy.choose([4], [Acceptance()], ["draft_model"]) == [0]  # (the veto holds)
+    assert policy.gauges()["speculating"] == 0

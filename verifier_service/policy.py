@@ -666,6 +666,14 @@ class SpeculationPolicy:
                 if p == proposer and (not profiled or d.prior_slope is not None)]
         return min(near, key=lambda x: x[:2])[2] if near else None
 
+    def gauges(self) -> dict[str, int]:
+        """For /metrics: whether the policy drafts now (adaptive: the last round it chose for
+        drafted; fixed: always), the guard's vetoes so far, and whether a veto (or a trial of plain
+        rounds) holds now at some batch size."""
+        holds = any(end > self.rounds for end in list(self.guard.until.values()))
+        return {"speculating": int(self.mode == "fixed" or self.last_round_k > 0),
+                "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds)}
+
     def state(self) -> dict:
         """What the policy believes now (for operators and benchmarks): times in ms."""
         ms = {f"{b}x{w}": round(self.costs(b, w) * 1e3, 3) for b, w in sorted(set(self.costs.grid) | set(self.costs.measured))}
