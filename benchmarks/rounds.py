@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
 from specserve.benchmarks.endpoint import write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
@@ -119,10 +120,10 @@ def bench(args) -> dict:
 
     torch.set_num_threads(1)
     target_path, drafter_path = f"{args.models}/target", f"{args.models}/drafter"
-    target = ModelRunner.from_pretrained(target_path, name="target")
+    target = ModelRunner.from_pretrained(target_path, name="target", dtype=args.dtype)
     prompts = heldout_prompts(Path(args.models), args.prompts, args.prompt_tokens, target.tokenizer)
-    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", role="drafter")
-    servers = {p: DrafterProcess(drafter_path, p) for p in (False, True)}
+    drafter = ModelRunner.from_pretrained(drafter_path, name="drafter", role="drafter", dtype=args.dtype)
+    servers = {p: DrafterProcess(drafter_path, p, args.dtype) for p in (False, True)}
     try:
         trips = round_trips(servers[False].address, args.round_trips)
         engines = {"in process": SpeculativeEngine(target, DraftModelProposer(drafter))}
@@ -145,6 +146,7 @@ def bench(args) -> dict:
             server.close()
     rows = {name: {"tokens_per_s": statistics.median(r), "runs": r} for name, r in runs.items()}
     return {"round_trip_ms": trips, "rows": rows, "k": args.k, "prompts": args.prompts,
+            "dtype": args.dtype, "dtypes": resolved_dtypes(args.dtype),
             "max_tokens": args.max_tokens, "repeats": args.repeats}
 
 
@@ -152,7 +154,7 @@ def markdown(report: dict, command: str) -> str:
     rows, trips = report["rows"], report["round_trip_ms"]
     base = rows["in process"]["tokens_per_s"]
     lines = [f"Command: `{command}`", "",
-             f"Demo pair, k = {report['k']} (fixed), greedy, {report['prompts']} prompts, {report['max_tokens']} new "
+             f"Demo pair, {dtypes_line(report)}k = {report['k']} (fixed), greedy, {report['prompts']} prompts, {report['max_tokens']} new "
              f"tokens each, one request at a time, median of {report['repeats']} interleaved runs; one torch thread "
              "per process. Remote: the drafter's gRPC server in a child process, the engine here (no Ray).", "",
              "| Propose round trip (one sequence, nothing to take in or draft) | ms |", "|---|---|",
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--round-trips", type=int, default=500)
+    add_dtype_arg(p)
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "rounds"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
