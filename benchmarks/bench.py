@@ -247,6 +247,7 @@ def closed_loop(pair, prompts, concurrency: int, total: int, max_tokens: int, k:
 
 
 CONTROL = "plain, control"  # the batching bench's second plain pair
+COLOCATED = "adaptive, colocated"  # the batching bench's optional row (--colocated): no drafter actor
 
 
 def cpu_seconds(pair) -> tuple[float, float]:
@@ -276,6 +277,8 @@ def bench_batching(args) -> dict:
     modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
              "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive"),
              CONTROL: (False, 0, "fixed")}
+    if getattr(args, "colocated", False):  # the adaptive policy with the drafter in the verifier's process
+        modes[COLOCATED] = (False, args.k, "adaptive")
     init_ray(2 * len(modes))
     pairs: dict[str, SpeculativePair] = {}
     rows: dict[str, dict] = {mode: {} for mode in modes}
@@ -283,7 +286,7 @@ def bench_batching(args) -> dict:
         for mode, (pipeline, k, policy) in modes.items():
             pairs[mode] = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
                                           max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy,
-                                          dtype=args.dtype)
+                                          dtype=args.dtype, colocate=mode == COLOCATED)
             # warm-up: one full-length request (compiles, and gives the adaptive policy some rounds)
             ray.get(pairs[mode].submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
         for c in levels:
@@ -343,10 +346,13 @@ def bench_batching(args) -> dict:
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     control = {c: rows[CONTROL][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
+    colocated = {c: rows[COLOCATED][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels} \
+        if COLOCATED in rows else None
     return dict(models=str(model_dir), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 repeats=args.repeats, min_requests=args.min_requests, waves=args.waves, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
-                adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()), control_over_plain=control)
+                adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()), control_over_plain=control,
+                **({"colocated_over_plain": colocated} if colocated else {}))
 
 
 def plot_batching(report: dict, path: str) -> None:
@@ -358,7 +364,7 @@ def plot_batching(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     levels, rows = report["concurrency"], report["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined", CONTROL):
+    for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined", CONTROL, COLOCATED):
         if mode not in rows:
             continue
         a.plot(levels, [rows[mode][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels], "o-",
@@ -441,6 +447,11 @@ def markdown_batching(report: dict, command: str) -> str:
         lines += [f"- control / plain (two identical plain pairs): {min(ctl.values()):.2f}×–{max(ctl.values()):.2f}× "
                   "(" + ", ".join(f"{ctl[c]:.2f}× at {c}" for c in report["concurrency"]) + "): a ratio to plain "
                   "in this run is only as sure as this spread"]
+    if "colocated_over_plain" in report:
+        col, rows_c = report["colocated_over_plain"], report["rows"][COLOCATED]
+        lines += [f"- {COLOCATED} (`--colocated`: the adaptive policy, the drafter in the verifier's process, no "
+                  "drafter actor, no gRPC, no pipelining) / plain: "
+                  + ", ".join(f"{col[c]:.2f}× at {c} (mean k {rows_c[c]['mean_chosen_k']:.2f})" for c in report["concurrency"])]
     return "\n".join(lines) + "\n"
 
 
@@ -511,6 +522,8 @@ def main(argv=None) -> int:
                         "that plain decoding of equal-length requests never has: see docs/benchmarks/README.md)")
     b.add_argument("--min-requests", type=int, default=8,
                    help="requests per level and run at least (closed loop: a finished one is replaced at once)")
+    b.add_argument("--colocated", action="store_true",
+                   help="also a row of the adaptive policy with the drafter colocated (colocate: true)")
     b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
     for name, help_ in OWN_PARSER_BENCHES.items():  # listed here, parsed by their own modules
         sub.add_parser(name, help=help_, add_help=False)
