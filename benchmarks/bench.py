@@ -277,7 +277,7 @@ def bench_batching(args) -> dict:
     modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
              "speculative, pipelined": (True, args.k, "fixed"), "adaptive, pipelined": (True, args.k, "adaptive"),
              CONTROL: (False, 0, "fixed")}
-    if getattr(args, "colocated", False):  # the adaptive policy with the drafter in the verifier's process
+    if args.colocated:  # the adaptive policy with the drafter in the verifier's process
         modes[COLOCATED] = (False, args.k, "adaptive")
     init_ray(2 * len(modes))
     pairs: dict[str, SpeculativePair] = {}
@@ -346,13 +346,12 @@ def bench_batching(args) -> dict:
             break
     adaptive = {c: rows["adaptive, pipelined"][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
     control = {c: rows[CONTROL][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels}
-    colocated = {c: rows[COLOCATED][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"] for c in levels} \
-        if COLOCATED in rows else None
     return dict(models=str(model_dir), k=args.k, dtype=args.dtype, dtypes=resolved_dtypes(args.dtype),
                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 repeats=args.repeats, min_requests=args.min_requests, waves=args.waves, concurrency=levels, rows=rows, speculation_stops_paying_at=crossover,
                 adaptive_over_plain=adaptive, adaptive_worst=min(adaptive.values()), control_over_plain=control,
-                **({"colocated_over_plain": colocated} if colocated else {}))
+                **({"colocated_over_plain": {c: rows[COLOCATED][c]["tokens_per_s"] / rows["plain"][c]["tokens_per_s"]
+                                             for c in levels}} if COLOCATED in rows else {}))
 
 
 def plot_batching(report: dict, path: str) -> None:
