@@ -62,10 +62,11 @@ def test_drafter_dies_mid_generation_then_comes_back(models, fallback):
     assert engine.health()["status"] == "degraded" and "drafter" in engine.health()["reason"]
     assert not any(r.done.is_set() for r in reqs)
     assert [r.via for r in reqs] == (["ngram"] * len(reqs) if fallback else [None] * len(reqs))
-    for _ in range(2):
+    drafted_down = sum(r.stats.num_draft_tokens for r in reqs)  # (a round before the failure showed may have
+    for _ in range(2):                                          # used drafts that came before the stop)
         engine.step()
     if not fallback:
-        assert sum(r.stats.num_draft_tokens for r in reqs) == drafted_before  # plain decoding meanwhile
+        assert sum(r.stats.num_draft_tokens for r in reqs) == drafted_down  # plain decoding meanwhile
 
     server2, port2, servicer2 = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=8)  # back, new port
     address[0] = f"127.0.0.1:{port2}"

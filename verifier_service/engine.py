@@ -222,7 +222,7 @@ class Request:
     previous_accepted: int | None = None  # drafts accepted in its last drafted round
     previous_k: int = 0  # drafts in its last drafted round
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
-    resting: bool = False  # joined while the guard vetoed speculation: not started on the drafter yet
+    resting: bool = False  # joined while the drafter rests (`SpeculativeEngine._resting`): not started on it yet
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -543,7 +543,7 @@ class SpeculativeEngine:
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
-        if self._resting():  # the drafter rests: these start on it once the veto ends (`_wake`)
+        if self._resting():  # the drafter rests: these start on it when it drafts again (`_wake`)
             for r in reqs:
                 r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
             reqs = [r for r in reqs if not r.resting]
@@ -569,9 +569,22 @@ class SpeculativeEngine:
         drafter's runs beside the plain passes (on the 2-core reference machine its starts and
         catch-ups slowed them by a few percent). When the veto ends, `_wake` starts the sequences
         that joined meanwhile with everything committed, and the next call to the drafter brings
-        the others' unsent tokens: the drafter is caught up before anything drafts again."""
-        return (self.policy.mode == "adaptive" and "draft_model" in self.proposers and self.degraded is None
-                and self.policy.guard.vetoed(len(self.running), self.policy.rounds))
+        the others' unsent tokens: the drafter is caught up before anything drafts again.
+
+        A drafter in the loop's own process (in process, or `colocate: true`) rests whenever the
+        policy has speculation off, veto or not: its starts and catch-ups are not beside the plain
+        passes but between them, on the loop's thread (joining requests' starts cost the
+        colocated row 0.4-2.4 ms a round at 4-32 sequences, batching.md at d1ccf24), and they made
+        the guard's plain rounds slower than plain decoding is, so it kept speculating there. A
+        sequence the policy then drafts for is started in that round (`_round`), with everything
+        committed; the others' unsent tokens go with their next call. Feeding it later is no
+        more work than feeding it now (each token once, batched), and none for a sequence that
+        finishes meanwhile. A remote drafter is fed while speculation is off: its Starts run on
+        a helper thread and its catch-up calls are not waited for (`_start_later`)."""
+        if self.policy.mode != "adaptive" or "draft_model" not in self.proposers or self.degraded is not None:
+            return False
+        return (self.policy.guard.vetoed(len(self.running), self.policy.rounds)
+                or (not self.policy.on and not self.proposers["draft_model"].answers_later))
 
     def _wake(self, reqs: list[Request]) -> None:
         for r in reqs:
@@ -660,11 +673,17 @@ class SpeculativeEngine:
     def _round(self, running: list[Request]) -> None:
         # never overshoot max_new_tokens; k = 0 for sequences not drafted for (plain decoding)
         t_choose = time.perf_counter()
-        limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting else 0 for r in running]
-        chosen = self.policy.choose(limits, [r.acceptance for r in running], [r.via for r in running],
+        # (a resting sequence counts as the drafter's: the policy may choose to draft for it)
+        limits = [min(r.k, r.max_new_tokens - len(r.out) - 1) if r.drafting or r.resting else 0 for r in running]
+        chosen = self.policy.choose(limits, [r.acceptance for r in running],
+                                    ["draft_model" if r.resting else r.via for r in running],
                                     [r.fixed_k for r in running])
         t_round = time.perf_counter()
         self.times.add("policy", t_round - t_choose)
+        woken = [r for r, k in zip(running, chosen) if k and r.resting]
+        if woken:  # drafting for sequences that joined while the drafter rested: they start on it first
+            self._wake(woken)  # (timed as "start", as at admission: the guard counts it, the round's model not)
+            t_round = time.perf_counter()
         drafts, t_draft = self._propose(running, chosen)
         t_propose = time.perf_counter() - t_round
         ks = [len(d.tokens) for d in drafts]

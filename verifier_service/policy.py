@@ -61,7 +61,9 @@ calibration not re-measured drifts back towards 1 (RELAX per round), so one lear
 (a busy machine) does not keep speculation off for good. While a sequence drafts nothing the engine keeps
 its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
 speculation resumes; while the guard vetoes speculation the drafter rests, and is brought up to
-date when the veto ends, before it drafts (`SpeculativeEngine._resting`).
+date when the veto ends, before it drafts (`SpeculativeEngine._resting`). A drafter in the engine's
+own process (in process, colocated) rests whenever speculation is off: its work would run on the
+loop's thread, between the plain passes, and is brought up to date in the round that drafts again.
 
 Over the model sits a guard (`Guard`): what each mode really wrote per second of the engine loop,
 measured per batch size. Where speculating measured fewer tokens per second than plain decoding,
