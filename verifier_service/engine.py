@@ -574,8 +574,9 @@ class SpeculativeEngine:
         A drafter in the loop's own process (in process, or `colocate: true`) rests whenever the
         policy has speculation off, veto or not: its starts and catch-ups are not beside the plain
         passes but between them, on the loop's thread (joining requests' starts cost the
-        colocated row 0.4-2.4 ms a round at 4-32 sequences, batching.md at d1ccf24), and they made
-        the guard's plain rounds slower than plain decoding is, so it kept speculating there. A
+        colocated row 0.4-2.4 ms a round at 4-32 sequences, batching_d1ccf24.md), and the guard
+        counted them against its plain rounds (it measured speculating ahead of them there, and
+        kept drafting at 0.73-0.86x plain). A
         sequence the policy then drafts for is started in that round (`_round`), with everything
         committed; the others' unsent tokens go with their next call. Feeding it later is no
         more work than feeding it now (each token once, batched), and none for a sequence that
