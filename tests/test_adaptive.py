@@ -169,6 +169,7 @@ def test_an_in_process_drafter_rests_while_speculation_is_off_and_is_caught_up_b
             assert proposer.committed_length(first.id) == fed  # resting: not caught up
             assert second.resting and second.id not in proposer.seqs  # nor the joined one started
     assert probes >= 1 and not second.resting  # the probe drafted for the joined one too: it started
+    assert engine.times.seconds["catch_up"] > 0  # the backlog went in apart from the probe's drafting call
     engine.policy.mode = "fixed"  # speculation resumes (this test is about the drafter, not the policy's judgement)
     drafted = sum(first.stats.rounds_by_k[1:]) + sum(second.stats.rounds_by_k[1:])
     while not (first.done.is_set() and second.done.is_set()):
@@ -176,6 +177,8 @@ def test_an_in_process_drafter_rests_while_speculation_is_off_and_is_caught_up_b
     assert sum(first.stats.rounds_by_k[1:]) + sum(second.stats.rounds_by_k[1:]) > drafted + 4
     assert first.result().token_ids == plain(target, [3, 4, 5], 200)
     assert second.result().token_ids == plain(target, [9, 8, 7, 6], 160)
+    for req in (first, second):  # the target drafting for itself from every committed token: all accepted
+        assert req.stats.num_accepted_tokens == req.stats.num_draft_tokens > 0
 
 
 def joint_first_two(target, prompt, params):
@@ -622,6 +625,8 @@ def test_the_drafter_rests_under_a_veto_and_is_caught_up_before_it_drafts_again(
     assert sum(first.stats.rounds_by_k[1:]) > drafted  # drafting again, from everything committed
     assert first.result().token_ids == plain(target, [3, 4, 5], 90)
     assert second.result().token_ids == plain(target, [9, 8, 7, 6], 60)
+    for req in (first, second):  # the target drafting for itself from every committed token: all accepted
+        assert req.stats.num_accepted_tokens == req.stats.num_draft_tokens > 0
 
 
 def test_the_guard_does_not_veto_at_a_near_tie():

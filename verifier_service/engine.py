@@ -587,6 +587,26 @@ class SpeculativeEngine:
         return (self.policy.guard.vetoed(len(self.running), self.policy.rounds)
                 or (not self.policy.on and not self.proposers["draft_model"].answers_later))
 
+    def _bring_up_to_date(self, running: list[Request], chosen: list[int]) -> bool:
+        """Before an in-process drafter drafts for sequences whose committed tokens piled up while
+        it rested (more than one round commits), one call takes them in (timed as "catch_up",
+        outside the round as a wake's start is): charged to the drafting call, the backlog made
+        on-demand drafting look dearer (the policy's M(k)) after every rest. True if it ran."""
+        proposer = self.proposers.get("draft_model")
+        behind = [r for r, k in zip(running, chosen) if k and r.via == "draft_model" and len(r.unsent) > r.k + 1]
+        if not behind or proposer.answers_later:
+            return False
+        t0 = time.perf_counter()
+        try:
+            proposer.propose([ProposeItem(r.id, r.unsent, 0) for r in behind])
+        except Exception as e:
+            self._proposer_failed(e)
+            return True
+        for r in behind:
+            r.unsent = []
+        self.times.add("catch_up", time.perf_counter() - t0)
+        return True
+
     def _wake(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.resting = False
@@ -684,6 +704,8 @@ class SpeculativeEngine:
         woken = [r for r, k in zip(running, chosen) if k and r.resting]
         if woken:  # drafting for sequences that joined while the drafter rested: they start on it first
             self._wake(woken)  # (timed as "start", as at admission: the guard counts it, the round's model not)
+            t_round = time.perf_counter()
+        if self._bring_up_to_date(running, chosen):
             t_round = time.perf_counter()
         drafts, t_draft = self._propose(running, chosen)
         t_propose = time.perf_counter() - t_round
