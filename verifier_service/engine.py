@@ -576,10 +576,9 @@ class SpeculativeEngine:
         passes but between them, on the loop's thread (joining requests' starts cost the
         colocated row 0.4-2.4 ms a round at 4-32 sequences, batching_d1ccf24.md), and the guard
         counted them against its plain rounds (it measured speculating ahead of them there, and
-        kept drafting at 0.73-0.86x plain). A
-        sequence the policy then drafts for is started in that round (`_round`), with everything
-        committed; the others' unsent tokens go with their next call. Feeding it later is no
-        more work than feeding it now (each token once, batched), and none for a sequence that
+        kept drafting at 0.73-0.86x plain). A sequence the policy then drafts for is brought up to
+        date in that round before it drafts (`_bring_up_to_date`). Feeding it later is no more
+        work than feeding it now (each token once, batched), and none for a sequence that
         finishes meanwhile. A remote drafter is fed while speculation is off: its Starts run on
         a helper thread and its catch-up calls are not waited for (`_start_later`)."""
         if self.policy.mode != "adaptive" or "draft_model" not in self.proposers or self.degraded is not None:
@@ -588,14 +587,19 @@ class SpeculativeEngine:
                 or (not self.policy.on and not self.proposers["draft_model"].answers_later))
 
     def _bring_up_to_date(self, running: list[Request], chosen: list[int]) -> bool:
-        """Before an in-process drafter drafts for sequences whose committed tokens piled up while
-        it rested (more than one round commits), one call takes them in (timed as "catch_up",
-        outside the round as a wake's start is): charged to the drafting call, the backlog made
-        on-demand drafting look dearer (the policy's M(k)) after every rest. True if it ran."""
+        """Before the drafter drafts for sequences it rested for: those that joined meanwhile
+        start on it (`_wake`, timed as "start"), and on an in-process drafter the committed tokens
+        that piled up meanwhile (more than one round commits) go in through one call of their own
+        (timed as "catch_up"; charged to the drafting call, the backlog made on-demand drafting
+        look dearer, the policy's M(k), after every rest). Both are outside the round, as a start
+        at admission is: the guard counts them, the round's model not. True if anything ran."""
+        woken = [r for r, k in zip(running, chosen) if k and r.resting]
+        if woken:
+            self._wake(woken)
         proposer = self.proposers.get("draft_model")
         behind = [r for r, k in zip(running, chosen) if k and r.via == "draft_model" and len(r.unsent) > r.k + 1]
         if not behind or proposer.answers_later:
-            return False
+            return bool(woken)
         t0 = time.perf_counter()
         try:
             proposer.propose([ProposeItem(r.id, r.unsent, 0) for r in behind])
@@ -701,10 +705,6 @@ class SpeculativeEngine:
                                     [r.fixed_k for r in running])
         t_round = time.perf_counter()
         self.times.add("policy", t_round - t_choose)
-        woken = [r for r, k in zip(running, chosen) if k and r.resting]
-        if woken:  # drafting for sequences that joined while the drafter rested: they start on it first
-            self._wake(woken)  # (timed as "start", as at admission: the guard counts it, the round's model not)
-            t_round = time.perf_counter()
         if self._bring_up_to_date(running, chosen):
             t_round = time.perf_counter()
         drafts, t_draft = self._propose(running, chosen)
