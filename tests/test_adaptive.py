@@ -665,6 +665,11 @@ def test_one_trial_of_plain_rounds_measures_plain_decoding(b):
     policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=b, gain=1.1, rounds=TRIAL_EVERY - 20)
     assert len(policy.guard.tried) == 1 and policy.guard.rate(b, False) is not None
     assert policy.guard.vetoes == 0
+    # plain rounds (b tokens each, not random) need at most 32 of them: the trial at one sequence
+    # is no longer than at two (114 rounds until stop 34), at eight it needs 8 rounds
+    first = chosen.index(0)
+    trial = next(i for i in range(first, len(chosen)) if chosen[i]) - first
+    assert trial == {1: 51, 2: 51, 8: 21}[b]
 
 
 def test_after_a_clear_loss_larger_batches_stay_vetoed_until_the_bucket_that_lost_recovers():

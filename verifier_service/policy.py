@@ -106,7 +106,8 @@ PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before an
 PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each call's time before the next
 GUARD_DECAY = 0.99  # the guard: per round it measures at a batch size, of that mode's tokens and seconds there
 GUARD_MIN_ROUNDS = 8.0  # the guard compares the two modes at a batch size once each has this much weight there,
-GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of b sequences weighs b)
+GUARD_MIN_SEQUENCE_ROUNDS = 64.0  # and this much in sequence-rounds (a round of b sequences weighs b),
+GUARD_MIN_PLAIN_ROUNDS = 32.0  # of which plain decoding (b tokens a round, not random) needs no more than this many rounds
 GUARD_HOLD = 512  # rounds a veto holds (256 until stop 29) (doubling, up to 2**MAX_GUARD_BACKOFF times, each time it is confirmed)
 MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
@@ -353,7 +354,8 @@ class Guard:
 
     Once both modes have GUARD_MIN_ROUNDS of weight at a bucket, and GUARD_MIN_SEQUENCE_ROUNDS of
     sequence-rounds (a round's tokens are random, 1 to k + 1 per sequence: at one sequence eight
-    rounds vetoed speculation where it ran 1.5x plain), and speculating measured less than
+    rounds vetoed speculation where it ran 1.5x plain; plain rounds, b tokens each, need at most
+    GUARD_MIN_PLAIN_ROUNDS rounds of them: `min_sequence_rounds`), and speculating measured less than
     1 - GUARD_MARGIN of plain decoding (a veto at a near-tie, 0.908 against 0.911, left 4
     sequences at 0.89x plain where fixed k ran 1.05-1.08x), speculation is vetoed there and at every larger batch size (speculating gains less the more
     sequences share a pass) for GUARD_HOLD rounds: no drafting, no probes, and its measurement
@@ -369,8 +371,8 @@ class Guard:
     measures better ends the doubling. Where the model keeps speculation on with a small expected
     gain (its average over the bucket's rounds below TRIAL_MARGIN: not at one sequence, where
     speculating clearly pays), plain rounds are tried: speculation pauses for SETTLE_ROUNDS + 4
-    rounds plus as many as the minimum weights need at that batch size (decaying: 102 rounds at one
-    sequence; until stop 29 the trial counted 64 there, which the decayed weight never reached, so
+    rounds plus as many as the minimum weights need at that batch size (decaying: 39 rounds at one
+    sequence, 102 until stop 34; until stop 29 the trial counted 64 there, which the decayed weight never reached, so
     the first trial measured nothing), and again TRIAL_EVERY rounds later if those did not measure plain decoding there (the batch size moved to another
     bucket meanwhile). The guard only ever turns speculation off: plain decoding is what "never
     slower than plain" is measured against."""
@@ -404,15 +406,25 @@ class Guard:
                 or now - self.tried.get(bucket, -TRIAL_EVERY) < TRIAL_EVERY:
             return False
         self.tried[bucket] = now
-        # rounds until the decaying weights reach the minimums (at one sequence 102, not 64)
-        need = max(GUARD_MIN_ROUNDS, GUARD_MIN_SEQUENCE_ROUNDS / b) * (1 - GUARD_DECAY)
+        # rounds until plain decoding's decaying weights reach the minimums (at one sequence 39, not 32)
+        need = max(GUARD_MIN_ROUNDS, self.min_sequence_rounds(b, False) / b) * (1 - GUARD_DECAY)
         self.until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(math.log(1 - need) / math.log(GUARD_DECAY))
         return True
+
+    @staticmethod
+    def min_sequence_rounds(b: int, on: bool) -> float:
+        """The sequence-rounds a mode needs at b before it is compared: GUARD_MIN_SEQUENCE_ROUNDS for
+        the random token counts of speculating rounds; plain rounds, whose count is fixed (b), need
+        only as many rounds as the timing noise does, GUARD_MIN_PLAIN_ROUNDS at most (32 at one
+        sequence instead of 64, as at two: a trial of plain rounds there took 114 rounds of 406 in
+        a batching level's colocated row at one sequence, batching_106faea.md, where speculating
+        then measured 1.55x plain)."""
+        return GUARD_MIN_SEQUENCE_ROUNDS if on else min(GUARD_MIN_SEQUENCE_ROUNDS, GUARD_MIN_PLAIN_ROUNDS * b)
 
     def rate(self, b: int, on: bool) -> float | None:
         """The mode's measured worth per second at b's bucket (None: not enough rounds yet)."""
         sums = self.sums.get((self.bucket(b), on))
-        enough = sums and sums[2] >= GUARD_MIN_ROUNDS and sums[3] >= GUARD_MIN_SEQUENCE_ROUNDS and sums[1] > 0
+        enough = sums and sums[2] >= GUARD_MIN_ROUNDS and sums[1] > 0 and sums[3] >= self.min_sequence_rounds(b, on)
         return sums[0] / sums[1] if enough else None
 
     def observe(self, b: int, on: bool, tokens: int, seconds: float, now: int, plain_pass: float | None = None) -> None:
