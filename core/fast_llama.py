@@ -200,6 +200,20 @@ def packs_bf16(config) -> bool:
 PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (results do not depend on it)
 
 
+def packed_bf16_head(head: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of a float32 model's output head, reordered once for oneDNN (see
+    packed_bf16), or None (no bf16 GEMM in hardware). For a small float32 model (the demo
+    drafter, `dtype: auto`: see runner.resolve_dtype) the head is most of a pass's multiply-adds:
+    on stop 34's AMD EPYC its float32 head of 8192 x 192 took 229 us at one row and 891 us at
+    five, against 94 and 136 us packed in bfloat16, while its layers' products took 4.5-16 us at
+    one row in float32 against 15.5-22.6 us packed (benchmarks/diagnostics/drafter_dtype_loop.py
+    --products). Like every packed product, a row's head logits are
+    the same bits whatever the number of rows."""
+    if head.dtype != torch.float32 or not cpu_has_bf16_gemm():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(head.detach().to(torch.bfloat16), PACK_ROWS_HINT)
+
+
 def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """bfloat16 weights reordered once into oneDNN's blocked layout, by id of the weight, or None
     (not bfloat16, or no bf16 GEMM in hardware: `cpu_has_bf16_gemm`). F.linear in bfloat16 reorders its weight on every
@@ -245,7 +259,9 @@ def _fuse(modules: list) -> torch.Tensor:
 
 class FastLlama:
     def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False,
-                 plan_store: str | None = None):
+                 plan_store: str | None = None, bf16_head: bool = False):
+        """bf16_head: a float32 model multiplies by a bfloat16 copy of its output head
+        (packed_bf16_head), eager on a CPU with bf16 GEMM in hardware; elsewhere it is ignored."""
         cfg = model.config
         self.cfg = cfg
         inner = model.model
@@ -283,6 +299,9 @@ class FastLlama:
         self.compiled = compile
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
+        # the output head alone packed in bfloat16 (a float32 model, asked for: see packed_bf16_head)
+        self.head_packed = packed_bf16_head(self.lm_head) \
+            if bf16_head and not compile and self.device.type == "cpu" else None
         # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU multiplies bf16 in hardware
         # (see packed_bf16); otherwise each weight's GEMM layout picked by measurement (GemmPlan)
         self.packed = packed_bf16(self._weights()) \
@@ -294,8 +313,9 @@ class FastLlama:
         self._gemm_tables: dict[int, dict[int, Callable]] = {}  # row bucket -> {id(weight): x -> x @ w.T}
 
     def _weights(self) -> list[torch.Tensor]:
-        """Every matrix the pass multiplies by."""
-        return [self.lm_head, *(w for lw in self.layer_weights for w in (lw.qkv, lw.o, lw.gate_up, lw.down))]
+        """Every matrix the pass multiplies by (the head's own copy aside, where it has one)."""
+        head = [] if self.head_packed is not None else [self.lm_head]
+        return [*head, *(w for lw in self.layer_weights for w in (lw.qkv, lw.o, lw.gate_up, lw.down))]
 
     @property
     def device(self) -> torch.device:
@@ -408,8 +428,13 @@ class FastLlama:
             gu = linear(h, wgu)
             x = x + linear(F.silu(gu[..., :inter]) * gu[..., inter:], wd)
         x = x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, L, d]: the positions asked for
-        x = self._rms(x, self.norm_w, self.eps)
-        return self._linear_for(b * last.shape[1])(x, self.lm_head).float()
+        return self.head(self._rms(x, self.norm_w, self.eps))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of normed hidden states x [..., d]: the output head's product."""
+        if self.head_packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.head_packed, None, "none", [], "").float()
+        return self._linear_for(x[..., 0].numel())(x, self.lm_head).float()
 
     def _attend_same_bits(self, q, keys, values, hidden):
         """Attention for the prepacked bfloat16 path: scores and the weighted sum as bfloat16

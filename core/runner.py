@@ -61,19 +61,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     bfloat16 target was faster than float32 at every batch and width measured on the AMX Xeon,
     and at most 1% slower (one sequence, width 1) on an AVX512-BF16 EPYC; a position scores the
     same bits at any width there, so greedy speculation stays exactly plain decoding, and a
-    drafter's prepared drafts are the ones it would draft on demand. role ("target" or
-    "drafter") no longer changes the choice: until stop 32 the drafter stayed float32, whose
-    pass alone was the faster at one sequence (1.87 against 2.64 ms on the EPYC), but beside the
-    target's passes, in the speculative loop, the packed bfloat16 drafter (half the bytes to
-    read per pass) made in-process speculation 1.08-1.23x faster at one sequence on the EPYC
-    (four runs of benchmarks/diagnostics/drafter_dtype_loop.py)."""
+    drafter's prepared drafts are the ones it would draft on demand.
+
+    A drafter (role "drafter") there is float32 with only its output head multiplied in packed
+    bfloat16 (ModelRunner.from_pretrained passes bf16_head; fast_llama.packed_bf16_head). Its
+    layers' products are small, and a packed bfloat16 call costs more than a float32 one there,
+    while its 8192-wide head is cheaper packed (0.89 ms against 0.14 ms at five rows). In the
+    speculative loop at one sequence, on stop 34's AMD EPYC, speculation with that drafter ran
+    1.29-1.41x plain decoding, against 1.23-1.30x with the all-bfloat16 drafter of stops 32-33
+    and 1.07-1.12x with an all-float32 one (three runs of benchmarks/diagnostics/drafter_dtype_loop.py;
+    in each, the float32 drafter with a bfloat16 head ran 1.05-1.09x the all-bfloat16 one). The cost: a float32 product's rounding depends on the number of rows in the pass, so
+    a sampled draft prepared in a batch of branches (or beside other sequences) equals the one
+    drafted alone up to float rounding, as before stop 32, not bit for bit; the verifier gets
+    the q each draft was drawn from, so the sampled distribution stays exact. `dtype: bfloat16`
+    keeps the drafter all bfloat16 and those bits."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         from specserve.core.fast_llama import cpu_has_bf16_gemm
-        return torch.bfloat16 if packs and cpu_has_bf16_gemm() else torch.float32
+        return torch.bfloat16 if packs and cpu_has_bf16_gemm() and role != "drafter" else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -137,7 +145,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, tokenizer=None, name: str = "model", slots: int = 1, fast: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, bf16_head: bool = False):
+        """bf16_head: a float32 Llama multiplies by a bfloat16 copy of its head where the CPU
+        multiplies bf16 in hardware (fast_llama.packed_bf16_head; `dtype: auto` for a drafter)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -145,7 +155,7 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
         self.fast = (FastLlama(model, slots=slots, compile=compile,
-                               plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"))
+                               plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"), bf16_head=bf16_head)
                      if fast and fast_llama_supports(model) else None)
         if compile and self.fast is not None:
             use_compile_cache()
@@ -157,7 +167,8 @@ class ModelRunner:
                         device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False,
                         role: str = "target"):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
-        and resolve_dtype; role: "target" or "drafter", which "auto" treats alike since stop 32). compile: True, False or
+        and resolve_dtype; role: "target" or "drafter": on a CPU, "auto" gives a drafter float32 layers and a bfloat16 head where
+        a target gets bfloat16). compile: True, False or
         "auto" (see resolve_compile)."""
         if role not in ("target", "drafter"):
             raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
@@ -171,13 +182,15 @@ class ModelRunner:
             except Exception as e:  # transformers raises many types here
                 raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
             packs = packs_bf16(config) and not resolve_compile(compile, device)
+        # a drafter's "auto" where bfloat16 would pack: float32 layers, a bfloat16 head (resolve_dtype)
+        bf16_head = dtype == "auto" and device.type == "cpu" and role == "drafter" and packs
         dtype = resolve_dtype(dtype, device, role, packs=packs)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
         except Exception as e:
             raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
         return cls(model.to(device), load_tokenizer(path), name=name, slots=slots,
-                   compile=resolve_compile(compile, device))
+                   compile=resolve_compile(compile, device), bf16_head=bf16_head)
 
     @property
     def device(self) -> torch.device:

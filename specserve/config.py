@@ -40,7 +40,7 @@ class SpecServeConfig:
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
     device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
-    dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), else float32), float32, bfloat16, float16
+    dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), the drafter there float32 with a bfloat16 head; else float32), float32, bfloat16, float16
     q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
     compile: bool | str = "auto"  # torch.compile the forward: auto (on a GPU, where it pays), true, false
     stream_interval_ms: float = STREAM_INTERVAL_MS  # a streamed request's messages from its pair: at most one per this long

@@ -86,7 +86,9 @@ def test_device_and_dtype_resolution():
     bf16 = cpu_has_bf16_gemm()
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if bf16 else torch.float32)
     assert resolve_dtype("auto", torch.device("cpu"), packs=False) == torch.float32
-    assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == resolve_dtype("auto", torch.device("cpu"))
+    assert resolve_dtype("auto", torch.device("cpu"), role="drafter") == torch.float32  # with a bf16 head, if it packs
+    runner = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"), dtype="float32", role="drafter")
+    assert runner.fast.head_packed is None  # only "auto" packs a float32 drafter's head
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ModelLoadError):
         resolve_dtype("float8", torch.device("cpu"))
@@ -154,9 +156,10 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
 
 
 def test_auto_dtype_by_model(tmp_path):
-    """`dtype: auto` on a CPU, as the builder loads a pair: each demo model in bfloat16 exactly
+    """`dtype: auto` on a CPU, as the builder loads a pair: the demo target in bfloat16 exactly
     where its forward gets the prepacked path (fast_llama.packs_bf16: an AMX or AVX512-BF16 CPU),
-    the drafter as the target; a model too small for that path (the tests' tiny target) in float32."""
+    the demo drafter there in float32 with a packed bfloat16 head (runner.resolve_dtype), and a
+    model too small for that path (the tests' tiny target) in float32, nothing packed."""
     from transformers import AutoConfig
 
     from specserve.builder import build_engine
@@ -170,10 +173,16 @@ def test_auto_dtype_by_model(tmp_path):
     assert (engine.target.fast.packed is not None) == packs
     drafter = engine.proposers["draft_model"].runner
     drafter_packs = packs_bf16(AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter")))
-    assert drafter.model.dtype == (torch.bfloat16 if drafter_packs else torch.float32)
-    assert (drafter.fast.packed is not None) == drafter_packs
+    assert drafter.model.dtype == torch.float32 and drafter.fast.packed is None
+    assert (drafter.fast.head_packed is not None) == drafter_packs
+    # the head is multiplied by its own copy only: not planned for (GemmPlan) beside it
+    assert any(w is drafter.fast.lm_head for w in drafter.fast._weights()) == (not drafter_packs)
+    as_target = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"))  # role "target"
+    assert as_target.model.dtype == (torch.bfloat16 if drafter_packs else torch.float32)
+    assert (as_target.fast.packed is not None) == drafter_packs and as_target.fast.head_packed is None
     tiny_target, _ = make_tiny_pair(str(tmp_path))
     assert not packs_bf16(AutoConfig.from_pretrained(tiny_target))
-    assert ModelRunner.from_pretrained(tiny_target).model.dtype == torch.float32
+    tiny = ModelRunner.from_pretrained(tiny_target, role="drafter")
+    assert tiny.model.dtype == torch.float32 and tiny.fast.head_packed is None
     with pytest.raises(ValueError, match="role"):
         ModelRunner.from_pretrained(tiny_target, role="verifier")

@@ -1,36 +1,91 @@
 """Diagnostic (prints, writes no result file): in-process speculation at one sequence with the
-demo drafter in float32 and in bfloat16 (prepacked where the CPU multiplies bf16 in hardware),
-beside one bfloat16-or-auto target, and plain decoding with the same target: 10 held-out
-prompts x 64 greedy tokens per row and repeat, rows interleaved (order flipped every repeat),
-the first repeat dropped; medians of tokens/s. Made the 1.08-1.23x (bf16 drafter over float32,
-four runs on stop 32's AMD EPYC) behind `dtype: auto` giving the drafter bfloat16
-(specserve.core.runner.resolve_dtype):
+demo drafter three ways, beside one target under `dtype: auto`, and plain decoding with that
+target: float32, bfloat16 (prepacked where the CPU multiplies bf16 in hardware), and `auto`
+(on such a CPU: float32 layers with a packed bfloat16 head, fast_llama.packed_bf16_head).
+10 held-out prompts x 64 greedy tokens per row and repeat, rows interleaved (order flipped every
+repeat), the first repeat dropped; medians of tokens/s and each row over plain. Then, with
+--products, each of the drafter's matrix shapes multiplied at 1 and 5 rows in float32 and as a
+packed bfloat16 product (medians of 3000 calls, us).
 
-    .venv/bin/python benchmarks/diagnostics/drafter_dtype_loop.py
+Made the 1.08-1.23x (bf16 drafter over float32, four runs on stop 32's AMD EPYC) behind stop 32's
+all-bfloat16 drafter, and on stop 34's EPYC (three runs, 7, 9 and 5 repeats) speculative / plain
+1.07, 1.12 and 1.11 with the float32 drafter, 1.23, 1.30 and 1.26 with the bfloat16 one, 1.29,
+1.41 and 1.38 with the float32 one with a bfloat16 head, behind `auto`'s choice of that
+(runner.resolve_dtype):
+
+    .venv/bin/python benchmarks/diagnostics/drafter_dtype_loop.py [repeats] [--products]
 """
-import time, torch, statistics
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner, load_tokenizer
-from specserve.drafter.draft_model import DraftModelProposer
-from specserve.verifier.engine import SpeculativeEngine
 from specserve.core.sampling import SamplingParams
+from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.demo_pair import heldout_prompts
-from pathlib import Path
-t = ModelRunner.from_pretrained("models/demo/target", name="target", slots=4, role="target")
-d32 = ModelRunner.from_pretrained("models/demo/drafter", name="drafter", slots=4, role="drafter", dtype="float32")
-d16 = ModelRunner.from_pretrained("models/demo/drafter", name="drafter", slots=4, role="drafter", dtype="bfloat16")
-print("drafter dtypes", d32.model.dtype, d16.model.dtype, "packed", d16.fast.packed is not None)
-engs = {"fp32": SpeculativeEngine(t, DraftModelProposer(d32), eos_ids=set(), speculation="fixed", max_k=4),
-        "bf16": SpeculativeEngine(t, DraftModelProposer(d16), eos_ids=set(), speculation="fixed", max_k=4)}
-prompts = heldout_prompts(Path("models/demo"), 10, 64, load_tokenizer("models/demo/target"))
-res = {m: [] for m in ("plain", "fp32", "bf16")}
-for rep in range(7):
-    for m in (list(res) if rep % 2 else list(res)[::-1]):
-        e = engs["fp32" if m == "plain" else m]; k = 0 if m == "plain" else 4
-        n = 0; t0 = time.perf_counter()
-        for p in prompts: n += len(e.generate(p, 64, SamplingParams(), k=k).token_ids)
-        if rep: res[m].append(n / (time.perf_counter() - t0))
-print({m: round(statistics.median(v), 1) for m, v in res.items()})
-p = prompts[0]
-a = engs["fp32"].generate(p, 64, SamplingParams(), k=4); b = engs["bf16"].generate(p, 64, SamplingParams(), k=4); c = engs["fp32"].generate(p, 64, SamplingParams(), k=0)
-print("same greedy", a.token_ids == b.token_ids == c.token_ids, "acc fp32", a.stats.mean_acceptance_length, "bf16", b.stats.mean_acceptance_length)
+from specserve.verifier.engine import SpeculativeEngine
+
+
+def median_us(fn, n=3000):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def products(drafter: ModelRunner) -> None:
+    linear = torch.ops.mkldnn._linear_pointwise
+    shapes = {tuple(w.shape) for w in (drafter.fast.lm_head, *(w for lw in drafter.fast.layer_weights for w in lw
+                                                                 if isinstance(w, torch.Tensor) and w.dim() == 2))}
+    with torch.inference_mode():
+        for out, inp in sorted(shapes):
+            w = torch.randn(out, inp) * 0.05
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 8)
+            for rows in (1, 5):
+                x = torch.randn(rows, inp)
+                x16 = x.bfloat16()
+                f32 = median_us(lambda: torch.nn.functional.linear(x, w))
+                bf16 = median_us(lambda: linear(x16, packed, None, "none", [], ""))
+                print(f"{out} x {inp}, {rows} rows: float32 {f32:.1f} us, packed bfloat16 {bf16:.1f} us")
+
+
+def main() -> None:
+    repeats = int(next((a for a in sys.argv[1:] if a.isdigit()), 7))
+    target = ModelRunner.from_pretrained("models/demo/target", name="target", slots=4, role="target")
+    drafters = {m: ModelRunner.from_pretrained("models/demo/drafter", name="drafter", slots=4, role="drafter", dtype=m)
+                for m in ("float32", "bfloat16", "auto")}
+    for m, d in drafters.items():
+        print(f"drafter {m}: {d.model.dtype}, layers packed {d.fast.packed is not None}, "
+              f"head packed {d.fast.packed is not None or d.fast.head_packed is not None}")
+    if "--products" in sys.argv:
+        products(drafters["float32"])
+    engines = {m: SpeculativeEngine(target, DraftModelProposer(d), eos_ids=set(), speculation="fixed", max_k=4)
+               for m, d in drafters.items()}
+    prompts = heldout_prompts(Path("models/demo"), 10, 64, load_tokenizer("models/demo/target"))
+    rows = ["plain", *drafters]
+    res = {m: [] for m in rows}
+    for rep in range(repeats):
+        for m in (rows if rep % 2 else rows[::-1]):
+            engine, k = (engines["float32"], 0) if m == "plain" else (engines[m], 4)
+            n, t0 = 0, time.perf_counter()
+            for p in prompts:
+                n += len(engine.generate(p, 64, SamplingParams(), k=k).token_ids)
+            if rep:
+                res[m].append(n / (time.perf_counter() - t0))
+    med = {m: statistics.median(v) for m, v in res.items()}
+    print("tok/s", {m: round(v, 1) for m, v in med.items()})
+    print("over plain", {m: round(v / med["plain"], 3) for m, v in med.items()})
+    for m, engine in engines.items():
+        outs = [engine.generate(p, 64, SamplingParams(), k=4) for p in prompts]
+        plain = [engines["float32"].generate(p, 64, SamplingParams(), k=0).token_ids for p in prompts]
+        print(f"{m}: greedy == plain {all(o.token_ids == q for o, q in zip(outs, plain))}, mean acceptance length "
+              f"{statistics.mean(o.stats.mean_acceptance_length for o in outs):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,10 +38,11 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
         one_pass()
 print(f"aten ops per pass: {sum(e.count for e in prof.key_averages()) / 100:.0f}")
 f = r.fast
-x = torch.randn(1, 1, f.cfg.hidden_size)
+x = torch.randn(1, 1, f.cfg.hidden_size, dtype=f.embed.dtype)
 with torch.inference_mode():
-    print(f"the head's product (1 x {f.cfg.hidden_size} @ {f.cfg.hidden_size} x {f.lm_head.shape[0]}): "
-          f"{median_ms(lambda: f._linear_for(1)(x, f.lm_head), 2000):.3f} ms")
+    print(f"the head's product (1 x {f.cfg.hidden_size} @ {f.cfg.hidden_size} x {f.lm_head.shape[0]}, "
+          f"{'packed bfloat16' if f.packed is not None or f.head_packed is not None else f.embed.dtype}): "
+          f"{median_ms(lambda: f.head(x), 2000):.3f} ms")
     logits = torch.randn(f.lm_head.shape[0])
 
     def row():
