@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner
 from specserve.drafter.server import serve
 runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter", role="drafter", dtype=sys.argv[3])
-server, port, _ = serve(runner.model, port=0, pipeline=sys.argv[2] == "1")
+server, port, _ = serve(runner.model, port=0, pipeline=sys.argv[2] == "1", bf16_head=runner.bf16_head)
 print(port, flush=True)
 sys.stdin.read()  # until the parent closes it
 server.stop(0)

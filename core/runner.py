@@ -70,7 +70,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     speculative loop at one sequence, on stop 34's AMD EPYC, speculation with that drafter ran
     1.29-1.41x plain decoding, against 1.23-1.30x with the all-bfloat16 drafter of stops 32-33
     and 1.07-1.12x with an all-float32 one (three runs of benchmarks/diagnostics/drafter_dtype_loop.py;
-    in each, the float32 drafter with a bfloat16 head ran 1.05-1.09x the all-bfloat16 one). The cost: a float32 product's rounding depends on the number of rows in the pass, so
+    in each, the float32 drafter with a bfloat16 head ran 1.05-1.09x the all-bfloat16 one). As a
+    pipelined gRPC server in a child process (benchmarks/diagnostics/drafter_dtype_remote.py, two
+    runs once the server kept the head: DrafterServicer's bf16_head) speculation ran 1.39 and 1.32x
+    plain with it, against 1.22 and 1.22x all-bfloat16 and 1.09 and 1.10x all-float32; in process
+    in the same runs 1.70 and 1.41x against 1.46 and 1.39x. The cost: a float32 product's rounding depends on the number of rows in the pass, so
     a sampled draft prepared in a batch of branches (or beside other sequences) equals the one
     drafted alone up to float rounding, as before stop 32, not bit for bit; the verifier gets
     the q each draft was drawn from, so the sampled distribution stays exact. `dtype: bfloat16`
@@ -153,6 +157,7 @@ class ModelRunner:
         self.name = name
         self.slots = slots
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.bf16_head = bf16_head  # as asked (a drafter server builds its own runner of the model with it)
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
         self.fast = (FastLlama(model, slots=slots, compile=compile,
                                plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"), bf16_head=bf16_head)

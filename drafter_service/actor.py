@@ -24,7 +24,8 @@ class DrafterActor:
         host = ray.util.get_node_ip_address()  # this node's address only, never every interface
         self.server, self.port, self.servicer = serve(runner.model, host=host, port=port, pipeline=pipeline,
                                                       max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
-                                                      q_dtype=q_dtype, compile=runner.compiled, fanout=fanout)
+                                                      q_dtype=q_dtype, compile=runner.compiled, fanout=fanout,
+                                                      bf16_head=runner.bf16_head)
         self.address = f"{host}:{self.port}"
 
     def get_address(self) -> str:

@@ -177,6 +177,15 @@ def test_auto_dtype_by_model(tmp_path):
     assert (drafter.fast.head_packed is not None) == drafter_packs
     # the head is multiplied by its own copy only: not planned for (GemmPlan) beside it
     assert any(w is drafter.fast.lm_head for w in drafter.fast._weights()) == (not drafter_packs)
+    # a drafter's gRPC server (the pair's drafter actor) builds its own runner of the model: the same
+    from specserve.drafter.server import serve
+    loaded = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"), role="drafter")
+    server, _, servicer = serve(loaded.model, pipeline=False, max_sequences=2, bf16_head=loaded.bf16_head)
+    try:
+        served = servicer.inner.runner
+        assert served.model.dtype == torch.float32 and (served.fast.head_packed is not None) == drafter_packs
+    finally:
+        server.stop(0)
     as_target = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"))  # role "target"
     assert as_target.model.dtype == (torch.bfloat16 if drafter_packs else torch.float32)
     assert (as_target.fast.packed is not None) == drafter_packs and as_target.fast.head_packed is None

@@ -1,9 +1,13 @@
 """Diagnostic (prints, writes no result file): batch 1, demo pair, k = 4 fixed, greedy, the
-target in this process (dtype auto): plain decoding, and speculation with the drafter in float32
-and in bfloat16, in process and as a pipelined gRPC server in a child process (no Ray; as in
+target in this process (dtype auto): plain decoding, and speculation with the drafter in float32,
+in bfloat16 and in `auto` (on a CPU with bf16 GEMM: float32 with a bfloat16 head), in process and as a pipelined gRPC server in a child process (no Ray; as in
 `specserve bench rounds`). Rows interleaved, the order flipped every repeat, the first repeat
 dropped; medians of tokens/s and each row over plain. Stop 32 (AMD EPYC) ran it to see whether
-the bfloat16 drafter that helped in process (drafter_dtype_loop.py) helps a remote drafter too:
+the bfloat16 drafter that helped in process (drafter_dtype_loop.py) helps a remote drafter too;
+stop 34 added the `auto` rows (two runs, 5 repeats: remote pipelined / plain 1.39 and 1.32 with
+`auto`, 1.22 and 1.22 bfloat16, 1.09 and 1.10 float32; in process 1.70 and 1.41, 1.46 and 1.39,
+1.21 and 1.15; a first run before the drafter server kept the bfloat16 head had its `auto` rows
+run float32 there):
 
     .venv/bin/python benchmarks/diagnostics/drafter_dtype_remote.py [repeats]
 """
@@ -22,7 +26,7 @@ repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 m = Path("models/demo")
 target = ModelRunner.from_pretrained(str(m / "target"), name="target")
 prompts = heldout_prompts(m, 4, 64, target.tokenizer)
-servers = {dt: DrafterProcess(str(m / "drafter"), True, dt) for dt in ("float32", "bfloat16")}
+servers = {dt: DrafterProcess(str(m / "drafter"), True, dt) for dt in ("float32", "bfloat16", "auto")}
 try:
     rows = {"plain": (SpeculativeEngine(target, None), 0)}
     for dt in servers:

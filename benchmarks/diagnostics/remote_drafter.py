@@ -35,7 +35,7 @@ def timed2(self, request):
     t0 = time.perf_counter(); out = orig2(self, request); T2.append(time.perf_counter() - t0); return out
 srv.DrafterServicer._propose = timed2
 runner = ModelRunner.from_pretrained(sys.argv[1], name="drafter", role="drafter")
-server, port, _ = srv.serve(runner.model, port=0, pipeline=False)
+server, port, _ = srv.serve(runner.model, port=0, pipeline=False, bf16_head=runner.bf16_head)
 print(port, flush=True)
 for line in sys.stdin:
     print(json.dumps([T, T2]), flush=True); T.clear(); T2.clear()
