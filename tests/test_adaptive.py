@@ -16,7 +16,7 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import (CATCH_UP_TOKENS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, DraftCosts,
+from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, DraftCosts,
                                        PassCosts, SpeculationPolicy, expected_tokens)
 
 V = 96
@@ -403,7 +403,12 @@ def test_a_batch_size_the_profile_did_not_time_takes_the_nearest_profiled_slope(
     policy.draft_costs[("draft_model", 4)] = fit
     policy.observe_draft("draft_model", 5, 4, 0.02)
     assert policy.draft_costs[("draft_model", 5)].prior_slope == pytest.approx(0.002)
-    assert policy.draft_cost("draft_model", 5, 2) == pytest.approx(0.02 - 2 * 0.002)
+    # its level: the nearest profiled M(4) = 10 ms as LEVEL_PRIOR_CALLS calls, then the one call of 20 ms
+    same = DraftCosts(0.002)
+    for t in [0.010] * LEVEL_PRIOR_CALLS + [0.02]:
+        same.observe(4, t)
+    assert policy.draft_cost("draft_model", 5, 2) == pytest.approx(same(2))
+    assert 0.010 - 2 * 0.002 < same(2) < 0.02 - 2 * 0.002
 
 
 def test_plain_rounds_right_after_drafting_ones_do_not_calibrate_or_time_plain_passes():
@@ -714,3 +719,22 @@ def test_the_policy_gauges_follow_its_guard_and_choices():
     assert policy.gauges()["guard_vetoes"] == policy.guard.vetoes and policy.gauges()["guard_holds"] == 1
     assert policy.choose([4], [Acceptance()], ["draft_model"]) == [0]  # (the veto holds)
     assert policy.gauges()["speculating"] == 0
+
+
+def test_one_slow_call_at_an_unprofiled_batch_size_does_not_make_its_draft_cost():
+    """M(k) at a batch size the startup profile did not time starts from the nearest timed one's
+    (LEVEL_PRIOR_CALLS calls' worth): one slow call there (a drain's, say) moves it only part of
+    the way, and the size's own calls take over as they come."""
+    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 * w * b for b in (1, 8) for w in (1, 5)}))
+    for b, per_pass in ((4, 2e-3), (8, 3e-3)):  # as profile_drafter leaves them: 2 and 3 ms a drafter pass
+        fit = DraftCosts()
+        for k in (1, 4):
+            for _ in range(3):
+                fit.observe(k, per_pass * (k + 1))
+        fit.prior_slope = fit.slope()
+        policy.draft_costs[("draft_model", b)] = fit
+    policy.observe_draft("draft_model", 6, 4, 0.040)  # one call of 40 ms at six sequences
+    assert policy.draft_cost("draft_model", 6, 4) < 0.025  # not 40 ms: the prior of 10 ms holds it
+    for _ in range(80):
+        policy.observe_draft("draft_model", 6, 4, 0.040)
+    assert policy.draft_cost("draft_model", 6, 4) > 0.037  # its own calls, once there are many

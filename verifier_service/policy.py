@@ -95,6 +95,10 @@ PRIOR_TRIALS = 4.0  # weight of its proposer's acceptance rate in a sequence's e
 EMA = 0.1  # weight of a new measured pass time (and call, and round overhead)
 DRAFT_EMA = 0.05  # in M(k)'s fit, each new call weighs this much (the slope needs calls at several k)
 SLOPE_PRIOR_WEIGHT = 4.0  # M(k)'s slope: the startup profile's weighs as much as 4 calls one token apart
+# M(k) at a batch size the profile did not time starts from the nearest timed size's, as this many
+# calls: in stop 34's batching.json at 1c6af9b one call at 6 sequences (a drain) made M(6, 1..4)
+# 38-43 ms, against 4-17 ms fitted at 4 and 8, and that fit stood for the rest of the run
+LEVEL_PRIOR_CALLS = 2
 CAL_DECAY = 0.95  # calibration: per round, of the summed model and measured seconds
 RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
@@ -729,9 +733,12 @@ class SpeculationPolicy:
             self.hit_costs[(proposer, b)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         else:
             fit = self.draft_costs.get((proposer, b))
-            if fit is None:  # a batch size the profile did not time: the slope of the nearest it did
+            if fit is None:  # a batch size the profile did not time: the slope of the nearest it did,
+                # and its M(k) as LEVEL_PRIOR_CALLS calls, which fade as this size's own calls come in
                 nearest = self._nearest_fit(proposer, b, profiled=True)
                 fit = self.draft_costs[(proposer, b)] = DraftCosts(nearest.prior_slope if nearest else None)
+                for _ in range(LEVEL_PRIOR_CALLS if nearest is not None else 0):
+                    fit.observe(k, nearest(k))
             fit.observe(k, seconds)
 
     def observe_ready(self, proposer: str, ready: bool) -> None:
