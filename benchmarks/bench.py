@@ -50,13 +50,10 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
 def resolved_dtypes(dtype: str) -> dict[str, str]:
     """What `dtype` gives the target and the drafter on this machine's CPU (a model the lean
     forward packs; "auto" gives such a drafter a bfloat16 head: see resolve_dtype)."""
-    from specserve.core.fast_llama import cpu_has_bf16_gemm
-    from specserve.core.runner import resolve_dtype
-    out = {role: str(resolve_dtype(dtype, torch.device("cpu"), role=role)).removeprefix("torch.")
-           for role in ("target", "drafter")}
-    if dtype == "auto" and cpu_has_bf16_gemm():
-        out["drafter"] += " with a bfloat16 head"
-    return out
+    from specserve.core.runner import auto_bf16_head, resolve_dtype
+    cpu = torch.device("cpu")
+    return {role: str(resolve_dtype(dtype, cpu, role=role)).removeprefix("torch.")
+            + (" with a bfloat16 head" if auto_bf16_head(dtype, cpu, role) else "") for role in ("target", "drafter")}
 
 
 def dtypes_line(report: dict) -> str:

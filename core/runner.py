@@ -91,6 +91,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     return DTYPES[dtype]
 
 
+def auto_bf16_head(dtype: str | torch.dtype, device: torch.device, role: str, packs: bool = True) -> bool:
+    """Whether `dtype` gives this model float32 layers with a packed bfloat16 head: "auto" for a
+    drafter on a CPU where bfloat16 would pack (see resolve_dtype)."""
+    from specserve.core.fast_llama import cpu_has_bf16_gemm
+    return dtype == "auto" and device.type == "cpu" and role == "drafter" and packs and cpu_has_bf16_gemm()
+
+
 def resolve_compile(compile: bool | str, device: torch.device) -> bool:
     """"auto": compile where it pays. On the reference CPU the compiled rows of
     docs/benchmarks/runtime.md were slower than the eager ones (decoding there is bound by reading
@@ -187,8 +194,7 @@ class ModelRunner:
             except Exception as e:  # transformers raises many types here
                 raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
             packs = packs_bf16(config) and not resolve_compile(compile, device)
-        # a drafter's "auto" where bfloat16 would pack: float32 layers, a bfloat16 head (resolve_dtype)
-        bf16_head = dtype == "auto" and device.type == "cpu" and role == "drafter" and packs
+        bf16_head = auto_bf16_head(dtype, device, role, packs)
         dtype = resolve_dtype(dtype, device, role, packs=packs)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)

@@ -737,8 +737,9 @@ class SpeculationPolicy:
                 # and its M(k) as LEVEL_PRIOR_CALLS calls, which fade as this size's own calls come in
                 nearest = self._nearest_fit(proposer, b, profiled=True)
                 fit = self.draft_costs[(proposer, b)] = DraftCosts(nearest.prior_slope if nearest else None)
-                for _ in range(LEVEL_PRIOR_CALLS if nearest is not None else 0):
-                    fit.observe(k, nearest(k))
+                if nearest is not None:
+                    for _ in range(LEVEL_PRIOR_CALLS):
+                        fit.observe(k, nearest(k))
             fit.observe(k, seconds)
 
     def observe_ready(self, proposer: str, ready: bool) -> None:
