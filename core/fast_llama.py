@@ -94,33 +94,54 @@ def _cpu_model() -> str:
 class GemmPlan:
     """On a CPU, decoding is bound by reading the weights, and MKL's speed for a few rows depends
     on the layout (F.linear, x @ w_t with a transposed copy, or (w @ x.T).T are each fastest
-    somewhere; docs/benchmarks/forward.md has what it buys per pass). So at load, for each weight shape and row-count bucket,
-    the three layouts are timed over the model's own weights of that shape and the fastest is
-    kept; a transposed copy is made only of weights some bucket uses it for. Results are shared
+    somewhere; docs/benchmarks/forward.md has what it buys per pass). A float32 weight has a
+    fourth way: oneDNN's product over a copy reordered once into its blocked layout ("packed",
+    as packed_bf16 does for bfloat16). On stop 35's AVX2-only AMD EPYC, MKL took 3-5x longer for
+    2-5 rows than for one against the demo target's 8192 x 384 head (2.7 ms at five rows, 0.48 at
+    one), oneDNN 0.85 ms at five; at one row MKL is faster for the small matrices. So at load,
+    for each weight shape and row-count bucket, the layouts are timed over the model's own weights
+    of that shape and the fastest is kept; a transposed or packed copy is made only of weights
+    some bucket uses it for. Results are shared
     by every model of the same shapes in the process, and kept in `store` (a JSON file, keyed by
     shape, dtype, thread count and CPU model), so a restarted process measures nothing."""
 
     _plans: dict[str, dict] = {}
     REPEATS = 7
-    VERSION = 2  # of the measurement (2: layouts interleaved, medians): plans stored by an older one are redone
+    VERSION = 3  # of the measurement (2: layouts interleaved, medians; 3: "packed"): older plans are redone
 
-    def __init__(self, weights: list[torch.Tensor], store: str | None = None):
+    LAYOUTS = ("linear", "transposed", "swapped", "packed")
+
+    def __init__(self, weights: list[torch.Tensor], store: str | None = None,
+                 layouts: tuple[str, ...] = LAYOUTS):
+        """layouts: the candidates (a subset of LAYOUTS, for tests and benches); with one, every
+        product takes it and nothing is measured."""
+        if not layouts or any(how not in self.LAYOUTS for how in layouts):
+            raise ValueError(f"layouts must be some of {self.LAYOUTS}, got {layouts!r}")
+        self.layouts = tuple(layouts)
         by_shape: dict[tuple, list[torch.Tensor]] = {}
         for w in weights:
             by_shape.setdefault((tuple(w.shape), w.dtype), []).append(w)
         self.plan: dict[tuple, str] = {}
         stored = self._load(store)
         for (shape, dtype), ws in by_shape.items():
+            if len(self.layouts) == 1:
+                self.plan.update({(shape, rows): self.layouts[0] for rows in ROW_BUCKETS})
+                continue
             key = f"{'x'.join(map(str, shape))}|{dtype}|{torch.get_num_threads()}|{_cpu_model()}|v{self.VERSION}"
+            if self.layouts != self.LAYOUTS:
+                key += "|" + ",".join(self.layouts)
             if key not in self._plans:
                 if key in stored:
                     self._plans[key] = {int(rows): how for rows, how in stored[key].items()}
                 else:
-                    self._plans[key] = stored[key] = self._measure(ws)
+                    self._plans[key] = stored[key] = self._measure(ws, self.layouts)
                     self._save(store, stored)
             self.plan.update({(shape, rows): how for rows, how in self._plans[key].items()})
-        transposed_shapes = {shape for (shape, _), how in self.plan.items() if how == "transposed"}
-        self.transposed = {w.data_ptr(): w.t().contiguous() for w in weights if tuple(w.shape) in transposed_shapes}
+        def copies(layout: str, make: Callable) -> dict[int, torch.Tensor]:
+            shapes = {shape for (shape, _), how in self.plan.items() if how == layout}
+            return {w.data_ptr(): make(w) for w in weights if tuple(w.shape) in shapes}
+        self.transposed = copies("transposed", lambda w: w.t().contiguous())
+        self.packed = copies("packed", _pack)
 
     @staticmethod
     def _load(store: str | None) -> dict:
@@ -145,13 +166,17 @@ class GemmPlan:
 
     @classmethod
     @torch.inference_mode()
-    def _measure(cls, ws: list[torch.Tensor]) -> dict[int, str]:
+    def _measure(cls, ws: list[torch.Tensor], layouts: tuple[str, ...]) -> dict[int, str]:
         """For each row bucket, the layout with the smallest median time over the model's weights
         of this shape; the layouts alternate within each repeat, so a slow spell of the machine
         hits all of them alike."""
         wts = [w.t().contiguous() for w in ws]
         ways = {"linear": lambda x, i: F.linear(x, ws[i]), "transposed": lambda x, i: x @ wts[i],
                 "swapped": lambda x, i: (ws[i] @ x.t()).t().contiguous()}
+        if "packed" in layouts and ws[0].dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            packed = [_pack(w) for w in ws]
+            ways["packed"] = lambda x, i: _packed_product(x, packed[i])
+        ways = {name: fn for name, fn in ways.items() if name in layouts}
         out = {}
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
@@ -164,6 +189,20 @@ class GemmPlan:
                     times[name].append(time.perf_counter() - t0)
             out[rows] = min(times, key=lambda name: statistics.median(times[name]))
         return out
+
+
+PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (results do not depend on it)
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """w reordered once into oneDNN's blocked layout for `_packed_product` (bfloat16 or float32)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ w.T over w's packed copy (oneDNN): a row's result is the same bits whatever the
+    number of rows."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 @functools.cache  # asked at every load and FastLlama; the CPU does not change
@@ -197,9 +236,6 @@ def packs_bf16(config) -> bool:
     return heads * head_dim * LENGTH_BUCKET > 2 * 16 ** 3
 
 
-PACK_ROWS_HINT = 8  # the row count oneDNN's weight layout is chosen for (results do not depend on it)
-
-
 def packed_bf16_head(head: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 copy of a float32 model's output head, reordered once for oneDNN (see
     packed_bf16), or None (no bf16 GEMM in hardware). For a small float32 model (the demo
@@ -211,7 +247,7 @@ def packed_bf16_head(head: torch.Tensor) -> torch.Tensor | None:
     the same bits whatever the number of rows."""
     if head.dtype != torch.float32 or not cpu_has_bf16_gemm():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(head.detach().to(torch.bfloat16), PACK_ROWS_HINT)
+    return _pack(head.to(torch.bfloat16))
 
 
 def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
@@ -225,8 +261,7 @@ def packed_bf16(weights: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
     kept beside the model's own weights (twice a bfloat16 model's weight memory)."""
     if not weights or any(w.dtype != torch.bfloat16 for w in weights) or not cpu_has_bf16_gemm():
         return None
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    return {id(w): reorder(w.detach(), PACK_ROWS_HINT) for w in weights}
+    return {id(w): _pack(w) for w in weights}
 
 
 class _LayerWeights(NamedTuple):
@@ -433,7 +468,7 @@ class FastLlama:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of normed hidden states x [..., d]: the output head's product."""
         if self.head_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.head_packed, None, "none", [], "").float()
+            return _packed_product(x.to(torch.bfloat16), self.head_packed).float()
         return self._linear_for(x[..., 0].numel())(x, self.lm_head).float()
 
     def _attend_same_bits(self, q, keys, values, hidden):
@@ -462,8 +497,8 @@ class FastLlama:
         measured fastest for that many rows, each weight's product made once per row bucket;
         compiled or on a GPU: F.linear."""
         if self.packed is not None:
-            packed, linear = self.packed, torch.ops.mkldnn._linear_pointwise
-            return lambda x, w: linear(x, packed[id(w)], None, "none", [], "")
+            packed = self.packed
+            return lambda x, w: _packed_product(x, packed[id(w)])
         if self.gemm is None:
             return F.linear
         bucket = _rows_bucket(rows)
@@ -477,6 +512,9 @@ class FastLlama:
         if how == "transposed":  # [in, out] copy: x @ w_t
             w_t = self.gemm.transposed[w.data_ptr()]
             return lambda x: x @ w_t
+        if how == "packed":  # oneDNN over the weight's reordered copy
+            packed = self.gemm.packed[w.data_ptr()]
+            return lambda x: _packed_product(x, packed)
         if how == "swapped":  # (w @ x.T).T, made row-major again: the plan was measured on row-major
             # inputs, and MKL is several times slower on some column-major ones (the next linear's)
             return lambda x: (w @ x.reshape(-1, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], w.shape[0])

@@ -250,3 +250,38 @@ def test_the_packed_paths_attention_equals_sdpa_within_rounding():
         outs[exact] = got
     for a, b in zip(outs[False], outs[True]):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_every_gemm_layout_scores_what_hugging_face_scores():
+    """Eager float32 on a CPU, the lean forward multiplies each weight in the layout its GemmPlan
+    measured fastest for that many rows: F.linear, a transposed copy, (w @ x.T).T, or oneDNN over
+    a packed copy. Each, used for every product, scores the logits HF's own forward does, batched
+    beside another sequence too; and a packed product's row is the same bits whatever the number
+    of rows in the call."""
+    from specserve.core.fast_llama import FastLlama, GemmPlan, _pack, _packed_product
+
+    model = tiny_model("llama", 64, seed=0)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (40, 23)]
+    want = [full_logits(model, s) for s in seqs]
+    fast = FastLlama(model, slots=2)
+    assert fast.gemm is not None  # float32: planned, not prepacked
+    assert set(fast.gemm.plan.values()) <= set(GemmPlan.LAYOUTS)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build: the packed layout is not offered")
+    for layout in GemmPlan.LAYOUTS:
+        fast.gemm, fast._gemm_tables = GemmPlan(fast._weights(), layouts=(layout,)), {}
+        for s in (0, 1):
+            fast.cache.reset(s)
+        first = fast.forward([seqs[0][:30], seqs[1][:20]], [0, 1])  # prefill, ragged
+        nxt = fast.forward([seqs[0][30:35], seqs[1][20:21]], [0, 1])  # a 5-wide row beside a 1-wide one
+        last = fast.forward([seqs[0][35:36]], [0])
+        assert torch.allclose(torch.cat([first[0], nxt[0], last[0]]), want[0][:36], atol=1e-4), layout
+        assert torch.allclose(torch.cat([first[1], nxt[1]]), want[1][:21], atol=1e-4), layout
+    with pytest.raises(ValueError, match="layouts must be some of"):
+        GemmPlan(fast._weights(), layouts=("fastest",))
+    w = model.lm_head.weight
+    x = torch.randn(9, w.shape[1], generator=g)
+    packed = _pack(w)
+    assert torch.allclose(_packed_product(x, packed), torch.nn.functional.linear(x, w), atol=1e-5)
+    assert all(torch.equal(_packed_product(x[:n], packed), _packed_product(x, packed)[:n]) for n in (1, 2, 5))
