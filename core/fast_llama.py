@@ -98,7 +98,8 @@ class GemmPlan:
     fourth way: oneDNN's product over a copy reordered once into its blocked layout ("packed",
     as packed_bf16 does for bfloat16). On stop 35's AVX2-only AMD EPYC, MKL took 3-5x longer for
     2-5 rows than for one against the demo target's 8192 x 384 head (2.7 ms at five rows, 0.48 at
-    one), oneDNN 0.85 ms at five; at one row MKL is faster for the small matrices. So at load,
+    one), oneDNN 0.85 ms at five; at one row MKL is faster for the small matrices
+    (benchmarks/diagnostics/packed_f32_products.py). So at load,
     for each weight shape and row-count bucket, the layouts are timed over the model's own weights
     of that shape and the fastest is kept; a transposed or packed copy is made only of weights
     some bucket uses it for. Results are shared
