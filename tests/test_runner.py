@@ -1,5 +1,7 @@
 """KV rollback: lengths, O(1) cost, and logits equal to a fresh forward after a rollback."""
 
+import json
+
 import pytest
 import torch
 
@@ -250,6 +252,22 @@ def test_the_packed_paths_attention_equals_sdpa_within_rounding():
         outs[exact] = got
     for a, b in zip(outs[False], outs[True]):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_a_half_precision_plan_measures_nothing(tmp_path):
+    """GemmPlan times layouts for float32 weights only: float16 (and bfloat16 where it is not
+    prepacked) takes F.linear for every bucket, and nothing goes into the plan's store (timing them
+    took 70 s at the demo pair's first float16 load on the reference CPU)."""
+    from specserve.core.fast_llama import ROW_BUCKETS, GemmPlan
+
+    store = tmp_path / "plan.json"
+    ws = [torch.randn(96, 48, dtype=dtype) for dtype in (torch.float16, torch.bfloat16)]
+    plan = GemmPlan(ws, str(store))
+    assert plan.plan == {((96, 48), rows): "linear" for rows in ROW_BUCKETS}
+    assert not store.exists() and not plan.transposed and not plan.packed
+    GemmPlan([torch.randn(96, 48)], str(store))  # float32: measured, and kept
+    keys = list(json.loads(store.read_text()))
+    assert keys and all("float32" in key for key in keys)
 
 
 def test_every_gemm_layout_scores_what_hugging_face_scores():
