@@ -394,7 +394,8 @@ def markdown_batching(report: dict, command: str) -> str:
              "Rows: plain (k = 0); fixed k, sequential and pipelined; the adaptive policy (`speculation: adaptive`, "
              f"k <= {report['k']}), pipelined; and a control: a second plain pair, the same configuration as "
              "the first in actors of its own, run last in the first round of runs (its ratio to plain is the "
-             "spread between two identical rows in this run). Plot: `batching.png`.", "",
+             "spread between two identical rows in this run). "
+             f"Plot: `{report.get('plot', 'batching.png')}`.", "",
              "| concurrency | plain tok/s | sequential tok/s (× plain) | pipelined tok/s (× plain) "
              "| adaptive tok/s (× plain) | adaptive mean k | control tok/s (× plain) "
              "| ITL p50 / p99 ms: plain | sequential | pipelined | adaptive |",
@@ -539,6 +540,7 @@ def main(argv=None) -> int:
         report, render = bench_distributed(args), markdown
     else:
         report, render = bench_batching(args), markdown_batching
+        report["plot"] = os.path.basename(args.out) + ".png"  # named in the Markdown
         plot_batching(report, args.out + ".png")
     command = "specserve bench " + " ".join(argv if argv is not None else sys.argv[1:])
     md = render(report, command)

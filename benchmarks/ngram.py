@@ -126,7 +126,7 @@ def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, {dtypes_line(report)}batch 1, in process, k <= {report['k']}, {report['prompts']} prompts "
              f"per set, {report['max_tokens']} new tokens each (greedy, ignore EOS), median of {report['repeats']} "
-             "runs (rows interleaved), 1 torch thread. Plot: `ngram.png`.", ""]
+             f"runs (rows interleaved), 1 torch thread. Plot: `{report.get('plot', 'ngram.png')}`.", ""]
     for name, s in report["sets"].items():
         lines += [f"**{name}** prompts (mean {s['prompt_tokens_mean']:.0f} tokens)", "",
                   "| row | tok/s | × plain | acceptance | tokens / round | mean k chosen | output = plain |",
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     report = bench(args)
+    report["plot"] = Path(args.out).name + ".png"  # named in the Markdown
     md = markdown(report, "specserve bench ngram " + " ".join(sys.argv[1:] if argv is None else argv))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
