@@ -113,7 +113,16 @@ class GemmPlan:
 
     _plans: dict[str, dict] = {}
     REPEATS = 7
-    VERSION = 3  # of the measurement (2: layouts interleaved, medians; 3: "packed"): older plans are redone
+    # of the measurement (2: layouts interleaved, medians; 3: "packed"; 4: weights evicted from the
+    # cache before each timing): older plans are redone
+    VERSION = 4
+    # What is read before each timing, so the weights come from memory as in a real pass. Hot (the
+    # same products back to back), (w @ x.T).T won at one row for every demo-drafter shape; in its
+    # passes, where the head and the target's pass evict the weights between one use and the
+    # next, those products took 34-98 µs against 4.5-14 hot, and the plan measured this way
+    # (x @ w_t for its two larger shapes) ran its pass 1.53 against 1.73 ms, interleaved
+    # (benchmarks/diagnostics/drafter_products_in_pass.py; stop 36, the Zen 4 EPYC).
+    EVICT_BYTES = 16 * 2**20
 
     LAYOUTS = ("linear", "transposed", "swapped", "packed")
 
@@ -175,8 +184,8 @@ class GemmPlan:
     @torch.inference_mode()
     def _measure(cls, ws: list[torch.Tensor], layouts: tuple[str, ...]) -> dict[int, str]:
         """For each row bucket, the layout with the smallest median time over the model's weights
-        of this shape; the layouts alternate within each repeat, so a slow spell of the machine
-        hits all of them alike."""
+        of this shape, read from memory (EVICT_BYTES); the layouts alternate within each repeat,
+        so a slow spell of the machine hits all of them alike."""
         wts = [w.t().contiguous() for w in ws]
         ways = {"linear": lambda x, i: F.linear(x, ws[i]), "transposed": lambda x, i: x @ wts[i],
                 "swapped": lambda x, i: (ws[i] @ x.t()).t().contiguous()}
@@ -184,12 +193,14 @@ class GemmPlan:
             packed = [_pack(w) for w in ws]
             ways["packed"] = lambda x, i: _packed_product(x, packed[i])
         ways = {name: fn for name, fn in ways.items() if name in layouts}
+        other = torch.ones(cls.EVICT_BYTES // 4)
         out = {}
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(cls.REPEATS):
                 for name, fn in ways.items():
+                    other.sum()  # the weights out of the cache (not timed)
                     t0 = time.perf_counter()
                     for i in range(len(ws)):
                         fn(x, i)
