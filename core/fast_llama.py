@@ -119,9 +119,9 @@ class GemmPlan:
     # What is read before each timing, so the weights come from memory as in a real pass. Hot (the
     # same products back to back), (w @ x.T).T won at one row for every demo-drafter shape; in its
     # passes, where the head and the target's pass evict the weights between one use and the
-    # next, those products took 34-98 µs against 4.5-14 hot, and the plan measured this way
-    # (x @ w_t for its two larger shapes) ran its pass 1.53 against 1.73 ms, interleaved
-    # (benchmarks/diagnostics/drafter_products_in_pass.py; stop 36, the Zen 4 EPYC).
+    # next, those products took 34-98 µs against 4.5-14 hot (diagnostics/drafter_products_in_pass.py),
+    # and the plan measured this way (x @ w_t for three of its four shapes) ran the pass in 1.44
+    # against 1.68 ms, interleaved (diagnostics/gemm_plan_evicted_ab.py; stop 36, the Zen 4 EPYC).
     EVICT_BYTES = 16 * 2**20
 
     LAYOUTS = ("linear", "transposed", "swapped", "packed")
