@@ -254,12 +254,13 @@ def test_the_packed_paths_attention_equals_sdpa_within_rounding():
         assert torch.allclose(a, b, atol=1e-4)
 
 
-def test_a_half_precision_plan_measures_nothing(tmp_path):
+def test_a_half_precision_plan_measures_nothing(tmp_path, monkeypatch):
     """GemmPlan times layouts for float32 weights only: float16 (and bfloat16 where it is not
     prepacked) takes F.linear for every bucket, and nothing goes into the plan's store (timing them
     took 70 s at the demo pair's first float16 load on the reference CPU)."""
     from specserve.core.fast_llama import ROW_BUCKETS, GemmPlan
 
+    monkeypatch.setattr(GemmPlan, "_plans", {})  # none shared from earlier tests' models of this shape
     store = tmp_path / "plan.json"
     ws = [torch.randn(96, 48, dtype=dtype) for dtype in (torch.float16, torch.bfloat16)]
     plan = GemmPlan(ws, str(store))
