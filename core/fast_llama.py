@@ -116,7 +116,8 @@ class GemmPlan:
     # of the measurement (2: layouts interleaved, medians; 3: "packed"; 4: weights evicted from the
     # cache before each timing): older plans are redone
     VERSION = 4
-    # What is read before each timing, so the weights come from memory as in a real pass. Hot (the
+    # What is read before each timing, so the weights come from beyond the core's own caches (out of
+    # L1 and L2; from the shared L3, or memory where the L3 holds less), as in a real pass. Hot (the
     # same products back to back), (w @ x.T).T won at one row for every demo-drafter shape; in its
     # passes, where the head and the target's pass evict the weights between one use and the
     # next, those products took 34-98 µs against 4.5-14 hot (diagnostics/drafter_products_in_pass.py),
@@ -184,7 +185,7 @@ class GemmPlan:
     @torch.inference_mode()
     def _measure(cls, ws: list[torch.Tensor], layouts: tuple[str, ...]) -> dict[int, str]:
         """For each row bucket, the layout with the smallest median time over the model's weights
-        of this shape, read from memory (EVICT_BYTES); the layouts alternate within each repeat,
+        of this shape, evicted from L1/L2 first (EVICT_BYTES); the layouts alternate within each repeat,
         so a slow spell of the machine hits all of them alike."""
         wts = [w.t().contiguous() for w in ws]
         ways = {"linear": lambda x, i: F.linear(x, ws[i]), "transposed": lambda x, i: x @ wts[i],
@@ -200,7 +201,7 @@ class GemmPlan:
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(cls.REPEATS):
                 for name, fn in ways.items():
-                    other.sum()  # the weights out of the cache (not timed)
+                    other.sum()  # the weights out of L1/L2 (not timed)
                     t0 = time.perf_counter()
                     for i in range(len(ws)):
                         fn(x, i)

@@ -22,8 +22,12 @@ f = r.fast
 if f.gemm is None:
     sys.exit("the drafter's layers are not planned float32 products here (prepacked bfloat16?)")
 evicted = f.gemm
+saved = fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION
 fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = 4, -1  # hot; a key of its own
-hot = fast_llama.GemmPlan(f._weights(), None)
+try:
+    hot = fast_llama.GemmPlan(f._weights(), None)
+finally:
+    fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = saved
 for name, plan in (("evicted", evicted), ("hot", hot)):
     print(f"{name}-measured plan at one row:", {s: how for (s, rows), how in plan.plan.items() if rows == 1})
 r.prefill(list(range(10, 74)))

@@ -1,6 +1,6 @@
 """Diagnostic (prints, writes no result file): in-process speculation at one sequence (k = 4
 fixed, the demo pair under `dtype: auto`) with the drafter's GemmPlan measured two ways, and plain
-decoding: "evicted" (each layout timed with the weights read from memory, GemmPlan.EVICT_BYTES,
+decoding: "evicted" (each layout timed with the weights evicted from L1/L2, GemmPlan.EVICT_BYTES,
 since stop 36) and "hot" (the same products back to back, as before). Only float32 weights are
 planned: under auto on a CPU with bf16 GEMM that is the drafter's layers; elsewhere the target's
 too, and both models get each plan. 10 held-out prompts x 64 greedy tokens per row and repeat,
