@@ -7,21 +7,17 @@ Made the compiled-forward figures in README.md and docs/benchmarks/README.md:
 
     .venv/bin/python benchmarks/diagnostics/compiled_vs_eager.py [models/demo]
 """
-import statistics, sys, time
+import sys, time
 import torch
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner
+from _shared import median_us
 
 models = sys.argv[1] if len(sys.argv) > 1 else "models/demo"
 
 
 def median_ms(fn, n=100):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_us(fn, n) / 1e3
 
 
 runners = {}

@@ -17,7 +17,6 @@ all-bfloat16 drafter, and on stop 34's EPYC (three runs, 7, 9 and 5 repeats) spe
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,15 +26,7 @@ from specserve.core.sampling import SamplingParams
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.demo_pair import heldout_prompts
 from specserve.verifier.engine import SpeculativeEngine
-
-
-def median_us(fn, n=3000):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+from _shared import interleaved_tok_s, median_us
 
 
 def products(drafter: ModelRunner) -> None:
@@ -49,8 +40,8 @@ def products(drafter: ModelRunner) -> None:
             for rows in (1, 5):
                 x = torch.randn(rows, inp)
                 x16 = x.bfloat16()
-                f32 = median_us(lambda: torch.nn.functional.linear(x, w))
-                bf16 = median_us(lambda: linear(x16, packed, None, "none", [], ""))
+                f32 = median_us(lambda: torch.nn.functional.linear(x, w), 3000)
+                bf16 = median_us(lambda: linear(x16, packed, None, "none", [], ""), 3000)
                 print(f"{out} x {inp}, {rows} rows: float32 {f32:.1f} us, packed bfloat16 {bf16:.1f} us")
 
 
@@ -67,17 +58,8 @@ def main() -> None:
     engines = {m: SpeculativeEngine(target, DraftModelProposer(d), eos_ids=set(), speculation="fixed", max_k=4)
                for m, d in drafters.items()}
     prompts = heldout_prompts(Path("models/demo"), 10, 64, load_tokenizer("models/demo/target"))
-    rows = ["plain", *drafters]
-    res = {m: [] for m in rows}
-    for rep in range(repeats):
-        for m in (rows if rep % 2 else rows[::-1]):
-            engine, k = (engines["float32"], 0) if m == "plain" else (engines[m], 4)
-            n, t0 = 0, time.perf_counter()
-            for p in prompts:
-                n += len(engine.generate(p, 64, SamplingParams(), k=k).token_ids)
-            if rep:
-                res[m].append(n / (time.perf_counter() - t0))
-    med = {m: statistics.median(v) for m, v in res.items()}
+    med = interleaved_tok_s({"plain": (engines["float32"], 0), **{m: (e, 4) for m, e in engines.items()}},
+                            prompts, repeats)
     print("tok/s", {m: round(v, 1) for m, v in med.items()})
     print("over plain", {m: round(v / med["plain"], 3) for m, v in med.items()})
     for m, engine in engines.items():

@@ -6,20 +6,16 @@ on one row's logits), each a median of 2000.
 
     .venv/bin/python benchmarks/diagnostics/drafter_pass.py [models/demo/drafter]
 """
-import statistics, sys, time
+import sys
 import torch
 torch.set_num_threads(1)
 from torch.profiler import ProfilerActivity, profile
 from specserve.core.runner import ModelRunner
+from _shared import median_us
 
 
 def median_ms(fn, n):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_us(fn, n) / 1e3
 
 
 r = ModelRunner.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else "models/demo/drafter", role="drafter", slots=4)

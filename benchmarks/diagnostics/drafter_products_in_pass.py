@@ -15,15 +15,7 @@ import torch
 
 torch.set_num_threads(1)
 from specserve.core.runner import ModelRunner  # noqa: E402
-
-
-def median_us(fn, n=300):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+from _shared import median_us  # noqa: E402
 
 
 r = ModelRunner.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else "models/demo/drafter", role="drafter", slots=4)

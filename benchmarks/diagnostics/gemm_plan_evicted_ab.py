@@ -14,7 +14,7 @@ import time
 import torch
 
 torch.set_num_threads(1)
-from specserve.core import fast_llama  # noqa: E402
+from _shared import hot_gemm_plan  # noqa: E402
 from specserve.core.runner import ModelRunner  # noqa: E402
 
 r = ModelRunner.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else "models/demo/drafter", role="drafter", slots=4)
@@ -22,12 +22,7 @@ f = r.fast
 if f.gemm is None:
     sys.exit("the drafter's layers are not planned float32 products here (prepacked bfloat16?)")
 evicted = f.gemm
-saved = fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION
-fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = 4, -1  # hot; a key of its own
-try:
-    hot = fast_llama.GemmPlan(f._weights(), None)
-finally:
-    fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = saved
+hot = hot_gemm_plan(f)
 for name, plan in (("evicted", evicted), ("hot", hot)):
     print(f"{name}-measured plan at one row:", {s: how for (s, rows), how in plan.plan.items() if rows == 1})
 r.prefill(list(range(10, 74)))

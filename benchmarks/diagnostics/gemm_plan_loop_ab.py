@@ -9,33 +9,18 @@ each row over plain, then greedy == plain for each row.
 
     .venv/bin/python benchmarks/diagnostics/gemm_plan_loop_ab.py [repeats]
 """
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 torch.set_num_threads(1)
-from specserve.core import fast_llama  # noqa: E402
 from specserve.core.runner import ModelRunner, load_tokenizer  # noqa: E402
 from specserve.core.sampling import SamplingParams  # noqa: E402
 from specserve.drafter.draft_model import DraftModelProposer  # noqa: E402
 from specserve.training.demo_pair import heldout_prompts  # noqa: E402
 from specserve.verifier.engine import SpeculativeEngine  # noqa: E402
-
-
-def hot_plan(runner: ModelRunner) -> None:
-    """Gives the runner's lean forward a plan measured hot (and a key of its own)."""
-    f = runner.fast
-    if f.gemm is None:
-        return
-    saved = fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION
-    fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = 4, -1
-    try:
-        f.gemm, f._gemm_tables = fast_llama.GemmPlan(f._weights(), None), {}
-    finally:
-        fast_llama.GemmPlan.EVICT_BYTES, fast_llama.GemmPlan.VERSION = saved
+from _shared import hot_gemm_plan, interleaved_tok_s  # noqa: E402
 
 
 def main() -> None:
@@ -45,24 +30,17 @@ def main() -> None:
         target = ModelRunner.from_pretrained("models/demo/target", name="target", slots=4, role="target")
         drafter = ModelRunner.from_pretrained("models/demo/drafter", name="drafter", slots=4, role="drafter")
         if how == "hot":
-            hot_plan(target), hot_plan(drafter)
+            for r in (target, drafter):
+                if r.fast.gemm is not None:
+                    r.fast.gemm, r.fast._gemm_tables = hot_gemm_plan(r.fast), {}
         for name, r in (("target", target), ("drafter", drafter)):
             if r.fast.gemm is not None:
                 print(f"{how} plan, {name}, one row:",
                       {s: layout for (s, rows), layout in r.fast.gemm.plan.items() if rows == 1})
         pairs[how] = SpeculativeEngine(target, DraftModelProposer(drafter), eos_ids=set(), speculation="fixed", max_k=4)
     prompts = heldout_prompts(Path("models/demo"), 10, 64, load_tokenizer("models/demo/target"))
-    rows = ["plain", "evicted", "hot"]
-    res = {m: [] for m in rows}
-    for rep in range(repeats):
-        for m in (rows if rep % 2 else rows[::-1]):
-            engine, k = (pairs["evicted"], 0) if m == "plain" else (pairs[m], 4)
-            n, t0 = 0, time.perf_counter()
-            for p in prompts:
-                n += len(engine.generate(p, 64, SamplingParams(), k=k).token_ids)
-            if rep:
-                res[m].append(n / (time.perf_counter() - t0))
-    med = {m: statistics.median(v) for m, v in res.items()}
+    med = interleaved_tok_s({"plain": (pairs["evicted"], 0), "evicted": (pairs["evicted"], 4),
+                             "hot": (pairs["hot"], 4)}, prompts, repeats)
     print("tok/s", {m: round(v, 1) for m, v in med.items()})
     print("over plain", {m: round(v / med["plain"], 3) for m, v in med.items()})
     plain = [pairs["evicted"].generate(p, 64, SamplingParams(), k=0).token_ids for p in prompts]

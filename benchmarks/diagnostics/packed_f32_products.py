@@ -9,21 +9,11 @@ one row):
 
     .venv/bin/python benchmarks/diagnostics/packed_f32_products.py
 """
-import statistics
-import time
 
 import torch
 torch.set_num_threads(1)
 from specserve.core.fast_llama import _pack, _packed_product
-
-
-def median_us(fn, n=200):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+from _shared import median_us
 
 
 with torch.inference_mode():
