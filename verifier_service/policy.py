@@ -257,9 +257,19 @@ class PassCosts:
         return along(bs, b, lambda bb: along(ws, w, lambda ww: self.grid[(bb, ww)]))
 
 
-def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dict[tuple[int, int], float]:
+def profile_target(runner, max_batch: int, max_width: int, reps: int = 7) -> dict[tuple[int, int], float]:
     """Times target passes on a grid: b in powers of two up to max_batch, w in {1, 2, mid, max}.
-    Runs at startup, on free slots 0..max_batch-1 (released after)."""
+    Runs at startup, on free slots 0..max_batch-1 (released after). At each b the widths take
+    turns within every repetition (the order reversed every other one; the first repetition warms
+    up), and each cell is the median of its reps, so a slow spell of the machine hits every
+    width alike: PassCosts holds a wide pass to at least T(b, 1) times this profile's ratio
+    T(b, w) / T(b, 1) for good, so a ratio measured in a bad moment steers k until a restart.
+    Timed one width after another, 3 reps each (until stop 37), six profiles of the demo target on
+    the 2-core Zen 4 EPYC put T(1, 5) / T(1, 1) anywhere in 0.76-1.21 and T(4, 2) / T(4, 1) in
+    0.80-1.57; six this way, alternating with those, 0.83-1.03 and 0.98-1.18 (profiling up to 32
+    sequences then takes 2.3-3.0 s instead of 1.4-1.8; benchmarks/diagnostics/profile_noise.py).
+    One adaptive engine whose profile had T(1, 5) = 1.6 T(1, 1) drafted one token a round at one
+    sequence, 1.33x plain where fixed k = 4 ran 1.50x (diagnostics/adaptive_vs_fixed_one.py)."""
     bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
     ws = sorted({1, min(2, max_width), (max_width + 1) // 2, max_width})
     prompt = [i % runner.vocab_size for i in range(1, 9)]
@@ -267,16 +277,17 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 3) -> dic
     for b in bs:
         for slot in range(b):
             runner.prefill(prompt, slot=slot)
-        for w in ws:
-            times = []
-            for _ in range(reps + 1):
+        times: dict[int, list[float]] = {w: [] for w in ws}
+        for rep in range(reps + 1):
+            for w in (ws if rep % 2 else ws[::-1]):
                 t0 = time.perf_counter()
                 out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
                 float(out[-1][-1, 0])  # waits for the device
-                times.append(time.perf_counter() - t0)
+                if rep:
+                    times[w].append(time.perf_counter() - t0)
                 for slot in range(b):
                     runner.rollback(w, slot=slot)
-            grid[(b, w)] = statistics.median(times[1:])
+        grid.update({(b, w): statistics.median(times[w]) for w in ws})
         for slot in range(b):
             runner.release(slot)
     return grid
