@@ -17,7 +17,7 @@ from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
 from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, DraftCosts,
-                                       PassCosts, SpeculationPolicy, expected_tokens)
+                                       PassCosts, SpeculationPolicy, expected_tokens, profile_target)
 
 V = 96
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
@@ -450,6 +450,33 @@ def test_a_wide_pass_never_looks_cheaper_than_the_profile_says_against_a_narrow_
     for _ in range(50):
         costs.observe(32, 2, 120e-3)  # measured dearer than the ratio: the measurement stands
     assert costs(32, 2) == pytest.approx(120e-3, rel=0.01)
+
+
+class SlowSpell(ModelRunner):
+    """A runner whose passes number `spell` (counted from 0, prefills too) each take `delay` longer:
+    a slow spell of the machine, placed."""
+
+    def __init__(self, *args, spell: range, delay: float, **kw):
+        super().__init__(*args, **kw)
+        self.spell, self.delay, self.calls = spell, delay, 0
+
+    def score_batch(self, batch, last_only=False):
+        if self.calls in self.spell:
+            time.sleep(self.delay)
+        self.calls += 1
+        return super().score_batch(batch, last_only=last_only)
+
+
+def test_a_slow_spell_in_the_target_profile_hits_every_width_alike():
+    """The startup profile times the widths in turn within each repetition, so a slow spell of the
+    machine (8 passes in a row, 30 ms slower each) lands on every width alike and moves no cell's
+    median: no width's ratio to T(b, 1), which PassCosts holds wide passes to for good, comes from
+    it. Timed one width after another (until stop 37), the same spell was the whole measurement of
+    widths 3 and 5 at one sequence."""
+    runner = SlowSpell(tiny_model("llama", V, seed=7), slots=2, spell=range(9, 17), delay=0.03)
+    grid = profile_target(runner, 2, 5)
+    assert runner.calls > 17 and sorted(grid) == [(b, w) for b in (1, 2) for w in (1, 2, 3, 5)]
+    assert max(grid.values()) < 0.015, grid
 
 
 def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas():
