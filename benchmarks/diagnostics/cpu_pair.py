@@ -5,7 +5,7 @@ alternating, 6 times each, medians: a torch product (ARGS: "small", 64x64 @ 64x6
 
     .venv/bin/python benchmarks/diagnostics/cpu_pair.py small
 """
-import os, sys, time, statistics, subprocess
+import sys, statistics, subprocess
 CHILD = r'''
 import os, sys, time, torch
 torch.set_num_threads(1)

@@ -5,7 +5,6 @@ drafter heads; not built). Stop 35: 2048 tokens cover 89.0% of held-out tokens, 
     .venv/bin/python benchmarks/diagnostics/draft_vocab_coverage.py
 """
 import collections
-from pathlib import Path
 from transformers import AutoTokenizer
 from specserve.training.demo_pair import train_files, heldout_files
 tok = AutoTokenizer.from_pretrained("models/demo/target")

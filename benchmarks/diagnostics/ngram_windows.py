@@ -5,7 +5,7 @@ window figures of this stop's closing note (2-4, the default, was best):
 
     .venv/bin/python benchmarks/diagnostics/ngram_windows.py
 """
-import statistics, torch, sys
+import statistics, torch
 from pathlib import Path
 torch.set_num_threads(1)
 from specserve.builder import build_engine

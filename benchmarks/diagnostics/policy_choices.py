@@ -6,7 +6,7 @@ per-round-ratio calibration that 627f735 replaced; at HEAD it shows the ratio of
 
     .venv/bin/python benchmarks/diagnostics/policy_choices.py
 """
-import json, sys, ray
+import ray
 from pathlib import Path
 from specserve.cluster.pair import SpeculativePair, start_ray
 from specserve.core.runner import load_tokenizer

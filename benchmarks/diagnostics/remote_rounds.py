@@ -5,7 +5,7 @@ docs/benchmarks/README.md:
 
     .venv/bin/python benchmarks/diagnostics/remote_rounds.py
 """
-import json, sys, time, ray, torch
+import time, ray, torch
 from pathlib import Path
 from specserve.cluster.pair import SpeculativePair, start_ray
 from specserve.core.runner import load_tokenizer, ModelRunner
