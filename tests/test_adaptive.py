@@ -477,6 +477,9 @@ def test_a_slow_spell_in_the_target_profile_hits_every_width_alike():
     grid = profile_target(runner, 2, 5)
     assert runner.calls > 17 and sorted(grid) == [(b, w) for b in (1, 2) for w in (1, 2, 3, 5)]
     assert max(grid.values()) < 0.015, grid
+    runner.calls = 0
+    before = profile_target(runner, 2, 5, reps=3, interleaved=False)
+    assert min(before[(1, 3)], before[(1, 5)]) > 0.03 > max(before[(1, 1)], before[(1, 2)])
 
 
 def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas():

@@ -257,7 +257,15 @@ class PassCosts:
         return along(bs, b, lambda bb: along(ws, w, lambda ww: self.grid[(bb, ww)]))
 
 
-def profile_target(runner, max_batch: int, max_width: int, reps: int = 7) -> dict[tuple[int, int], float]:
+def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
+    """The batch sizes (powers of two up to max_batch, and max_batch) and widths (1, 2, the middle
+    and max_width) the startup profiles time."""
+    return (sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}),
+            sorted({1, min(2, max_width), (max_width + 1) // 2, max_width}))
+
+
+def profile_target(runner, max_batch: int, max_width: int, reps: int = 7,
+                   interleaved: bool = True) -> dict[tuple[int, int], float]:
     """Times target passes on a grid: b in powers of two up to max_batch, w in {1, 2, mid, max}.
     Runs at startup, on free slots 0..max_batch-1 (released after). At each b the widths take
     turns within every repetition (the order reversed every other one; the first repetition warms
@@ -269,24 +277,25 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 7) -> dic
     0.80-1.57; six this way, alternating with those, 0.83-1.03 and 0.98-1.18 (profiling up to 32
     sequences then takes 2.3-3.0 s instead of 1.4-1.8; benchmarks/diagnostics/profile_noise.py).
     One adaptive engine whose profile had T(1, 5) = 1.6 T(1, 1) drafted one token a round at one
-    sequence, 1.33x plain where fixed k = 4 ran 1.50x (diagnostics/adaptive_vs_fixed_one.py)."""
-    bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
-    ws = sorted({1, min(2, max_width), (max_width + 1) // 2, max_width})
+    sequence, 1.33x plain where fixed k = 4 ran 1.50x (diagnostics/adaptive_vs_fixed_one.py).
+    interleaved=False: each width's repetitions back to back, as until stop 37 (for that diagnostic)."""
+    bs, ws = profile_grid(max_batch, max_width)
     prompt = [i % runner.vocab_size for i in range(1, 9)]
     grid = {}
     for b in bs:
         for slot in range(b):
             runner.prefill(prompt, slot=slot)
         times: dict[int, list[float]] = {w: [] for w in ws}
-        for rep in range(reps + 1):
-            for w in (ws if rep % 2 else ws[::-1]):
-                t0 = time.perf_counter()
-                out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
-                float(out[-1][-1, 0])  # waits for the device
-                if rep:
-                    times[w].append(time.perf_counter() - t0)
-                for slot in range(b):
-                    runner.rollback(w, slot=slot)
+        calls = [(rep, w) for rep in range(reps + 1) for w in (ws if rep % 2 else ws[::-1])] if interleaved \
+            else [(rep, w) for w in ws for rep in range(reps + 1)]
+        for rep, w in calls:
+            t0 = time.perf_counter()
+            out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
+            float(out[-1][-1, 0])  # waits for the device
+            if rep:
+                times[w].append(time.perf_counter() - t0)
+            for slot in range(b):
+                runner.rollback(w, slot=slot)
         grid.update({(b, w): statistics.median(times[w]) for w in ws})
         for slot in range(b):
             runner.release(slot)
@@ -312,7 +321,7 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
     from specserve.core.proposer import CapacityError, ProposeItem
     from specserve.core.sampling import SamplingParams
 
-    bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    bs, _ = profile_grid(max_batch, max_k)
     prompt = [i % vocab_size for i in range(1, 9)]
     fits: dict[int, DraftCosts] = {}
     for b in bs:

@@ -6,7 +6,6 @@ profiles timed as before stop 37 (one width after another, 3 reps each) and six 
 
     .venv/bin/python benchmarks/diagnostics/profile_noise.py [profiles]
 """
-import statistics
 import sys
 import time
 
@@ -17,38 +16,14 @@ from specserve.core.runner import ModelRunner  # noqa: E402
 from specserve.verifier.policy import profile_target  # noqa: E402
 
 
-def one_width_after_another(runner, max_batch: int, max_width: int, reps: int = 3) -> dict:
-    """profile_target as it was until stop 37."""
-    bs = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
-    ws = sorted({1, min(2, max_width), (max_width + 1) // 2, max_width})
-    prompt = [i % runner.vocab_size for i in range(1, 9)]
-    grid = {}
-    for b in bs:
-        for slot in range(b):
-            runner.prefill(prompt, slot=slot)
-        for w in ws:
-            times = []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
-                float(out[-1][-1, 0])
-                times.append(time.perf_counter() - t0)
-                for slot in range(b):
-                    runner.rollback(w, slot=slot)
-            grid[(b, w)] = statistics.median(times[1:])
-        for slot in range(b):
-            runner.release(slot)
-    return grid
-
-
 def main() -> None:
     profiles = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     target = ModelRunner.from_pretrained("models/demo/target", name="target", slots=32, role="target")
     ratios = {"before": [], "now": []}
     for i in range(2 * profiles):
-        kind, fn = ("before", one_width_after_another) if i % 2 == 0 else ("now", profile_target)
+        kind = "before" if i % 2 == 0 else "now"
         t0 = time.perf_counter()
-        g = fn(target, 32, 5)
+        g = profile_target(target, 32, 5, reps=3, interleaved=False) if kind == "before" else profile_target(target, 32, 5)
         print(f"{kind:6s} {time.perf_counter() - t0:.2f} s  " + "  ".join(
             f"b{b}: " + ",".join(f"{g[(b, w)] / g[(b, 1)]:.2f}" for w in (2, 3, 5)) + f" ({g[(b, 1)] * 1e3:.1f})"
             for b in (1, 2, 4, 8, 16, 32)))
