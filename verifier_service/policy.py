@@ -278,7 +278,8 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 7,
     sequences then takes 2.3-3.0 s instead of 1.4-1.8; benchmarks/diagnostics/profile_noise.py).
     One adaptive engine whose profile had T(1, 5) = 1.6 T(1, 1) drafted one token a round at one
     sequence, 1.33x plain where fixed k = 4 ran 1.50x (diagnostics/adaptive_vs_fixed_one.py).
-    interleaved=False: each width's repetitions back to back, as until stop 37 (for that diagnostic)."""
+    interleaved=False: each width's repetitions back to back, as until stop 37 (with reps=3, the old
+    profile exactly; for that diagnostic)."""
     bs, ws = profile_grid(max_batch, max_width)
     prompt = [i % runner.vocab_size for i in range(1, 9)]
     grid = {}
