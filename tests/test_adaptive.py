@@ -262,7 +262,7 @@ def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method)
         counts[tuple(r.token_ids)] += 1
         rounds_by_k[:len(r.stats.rounds_by_k)] += r.stats.rounds_by_k
     assert (rounds_by_k > 0).sum() >= 3, rounds_by_k  # k = 0 and at least two drafting widths
-    # in the runs logged at stop 38 the draft model drafted in 23-38% of rounds (the policy's judgement
+    # in the runs logged at stop 38 the draft model drafted in 23-44% of rounds (the policy's judgement
     # follows the machine's timings) and n-grams in 23% (prompt lookup finds "3 1 2" only while the
     # text still follows the prompt); until then the draft model drafted in about 0.3%
     assert rounds_by_k[1:].sum() > 0.1 * rounds_by_k.sum(), rounds_by_k
