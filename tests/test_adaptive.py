@@ -191,8 +191,8 @@ def sequence_probs(target, prompt, params, n):
         for length in range(n):
             prefixes = torch.tensor(list(itertools.product(range(v), repeat=length)), dtype=torch.long).reshape(v ** length, length)
             ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
-            rows = torch.stack([warp(row, params).double() for row in target(ids).logits[:, -1]])
-            joint = (joint[:, None] * rows.numpy()).reshape(-1)
+            rows = warp(target(ids).logits[:, -1], params).double().numpy()  # warp takes [..., V]
+            joint = (joint[:, None] * rows).reshape(-1)
     return joint.reshape((v,) * n)
 
 
