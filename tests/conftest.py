@@ -1,8 +1,14 @@
+import copy
+import itertools
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
+
+from specserve.core.sampling import warp
 
 # One thread per process: the suite runs on 2 cores next to other processes (Ray actors, and
 # possibly a training run); oversubscribed intra-op threads make torch many times slower.
@@ -47,3 +53,53 @@ def eventually(check, within_s: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# exact distributions and their tests, for the sampling checks of several paths
+
+
+def sequence_probs(target, prompt, params, n):
+    """p(t1, ..., tn) of the target under the warped distribution, exactly: an array of shape (v,) * n."""
+    with torch.no_grad():
+        v = target.config.vocab_size
+        joint = np.ones(1)
+        for length in range(n):
+            prefixes = torch.tensor(list(itertools.product(range(v), repeat=length)), dtype=torch.long).reshape(v ** length, length)
+            ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
+            rows = warp(target(ids).logits[:, -1], params).double().numpy()  # warp takes [..., V]
+            joint = (joint[:, None] * rows).reshape(-1)
+    return joint.reshape((v,) * n)
+
+
+def chi_square(counts, want):
+    """Pearson's test of counts against probabilities, cells expecting fewer than 5 pooled."""
+    counts, expected = counts.reshape(-1), counts.sum() * want.reshape(-1) / want.sum()
+    big = expected >= 5
+    if big.all():  # nothing to pool (an empty pooled cell, 0 of 0 expected, made the statistic NaN)
+        return stats.chisquare(counts, expected).pvalue
+    return stats.chisquare(np.append(counts[big], counts[~big].sum()),
+                           np.append(expected[big], expected[~big].sum())).pvalue
+
+
+SIX_TOKEN_CHECKS = ((0, 1), (2, 3), (4, 5), (2,), (3,), (4,), (5,))  # joints of pairs, and each later token
+
+
+def marginal_p_values(counts, want, keeps=SIX_TOKEN_CHECKS) -> dict[tuple[int, ...], float]:
+    """chi_square of the counts of sampled sequences (an array of shape (v,) * n) against the exact
+    `sequence_probs`, on the marginal of each tuple of token positions in keeps."""
+    out = {}
+    for keep in keeps:
+        axes = tuple(a for a in range(counts.ndim) if a not in keep)
+        out[keep] = chi_square(counts.sum(axis=axes), want.sum(axis=axes))
+    return out
+
+
+def near(model, noise, seed):
+    """A copy of `model` with Gaussian noise of `noise` times each weight's spread: a drafter that
+    agrees with it often but not always."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in out.parameters():
+            w.add_(noise * w.std() * torch.randn(w.shape, generator=g))
+    return out
