@@ -6,10 +6,10 @@ same code eagerly (`compile` defaults to off on a CPU)."""
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from conftest import marginal_p_values, sequence_probs
 
 from specserve.core.runner import ModelRunner
-from specserve.core.sampling import SamplingParams, warp
+from specserve.core.sampling import SamplingParams
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
@@ -93,30 +93,33 @@ def test_compiled_greedy_equals_plain_and_hf_generate(compiled_pair):
 
 
 def test_compiled_sampling_follows_the_target_distribution(compiled_pair):
+    """Each of three sampled tokens, batched through the compiled passes, follows the target's
+    distribution exactly (until stop 39 the first token only, which always comes from the first
+    round; the later ones mostly come from later rounds: the drafter is unlike the target). Over 96
+    tokens this has little power: a verifier taking q as uniform past the first token passed it (a
+    mutation run at stop 39), where the six-token tests over vocabularies of 6 and 8 fail it (the
+    compiled pass is exact, as the greedy tests check; this checks that sampling goes through it)."""
     target, t_runner, d_runner = compiled_pair[:3]
     engine = SpeculativeEngine(t_runner, DraftModelProposer(d_runner), eos_ids=set(), max_num_seqs=4,
                                max_waiting=2000)
     params = dict(temperature=1.5)
     prompt = [3, 4, 5]
-    with torch.no_grad():
-        p1 = warp(target(torch.tensor([prompt])).logits[0, -1], SamplingParams(**params)).double().numpy()
+    length = 3
+    want = sequence_probs(target, prompt, SamplingParams(**params), length)
     n = 1500
-    counts = np.zeros(V)
+    counts = np.zeros((V,) * length)
     engine.start()
     try:
-        reqs = [engine.submit(prompt, 2, SamplingParams(seed=s, **params), k=3) for s in range(n)]
+        reqs = [engine.submit(prompt, length, SamplingParams(seed=s, **params), k=3) for s in range(n)]
         for r in reqs:
             r.done.wait(300)
-            counts[r.result().token_ids[0]] += 1
+            counts[tuple(r.result().token_ids)] += 1
     finally:
         engine.stop()
-    # pool the rare tokens so every expected count is large enough for the chi-square test
-    order = np.argsort(-p1)
-    big = order[n * p1[order] >= 20]
-    small = np.setdiff1d(np.arange(V), big)
-    observed = np.append(counts[big], counts[small].sum())
-    expected = np.append(n * p1[big], n * p1[small].sum())
-    assert stats.chisquare(observed, expected * n / expected.sum()).pvalue > 1e-3
+    later = sum(r.result().stats.num_rounds > 1 for r in reqs)
+    assert later > n // 2, later  # most requests took more than one round
+    p_values = marginal_p_values(counts, want, keeps=((0,), (1,), (2,)))
+    assert min(p_values.values()) > 1e-4, p_values
 
 
 
