@@ -84,14 +84,19 @@ def chi_square(counts, want):
 SIX_TOKEN_CHECKS = ((0, 1), (2, 3), (4, 5), (2,), (3,), (4,), (5,))  # joints of pairs, and each later token
 
 
-def marginal_p_values(counts, want, keeps=SIX_TOKEN_CHECKS) -> dict[tuple[int, ...], float]:
-    """chi_square of the counts of sampled sequences (an array of shape (v,) * n) against the exact
-    `sequence_probs`, on the marginal of each tuple of token positions in keeps."""
-    out = {}
+def assert_follows(sequences, want, keeps=SIX_TOKEN_CHECKS, context=None) -> None:
+    """The sampled token sequences against the target's exact distribution `want` (from
+    `sequence_probs`): none has a token outside its support, and chi_square on the marginal of each
+    tuple of token positions in keeps is above 1e-4 (seven checks: 7e-4 of false alarms)."""
+    counts = np.zeros(want.shape)
+    for tokens in sequences:
+        counts[tuple(tokens)] += 1
+    assert counts[want == 0].sum() == 0, "a token outside the target's support"
+    p_values = {}
     for keep in keeps:
         axes = tuple(a for a in range(counts.ndim) if a not in keep)
-        out[keep] = chi_square(counts.sum(axis=axes), want.sum(axis=axes))
-    return out
+        p_values[keep] = chi_square(counts.sum(axis=axes), want.sum(axis=axes))
+    assert min(p_values.values()) > 1e-4, (p_values, context)
 
 
 def near(model, noise, seed):

@@ -3,9 +3,8 @@ engine is stepped by hand so that the failure lands at a known round."""
 
 import time
 
-import numpy as np
 import pytest
-from conftest import eventually, marginal_p_values, near, sequence_probs
+from conftest import assert_follows, eventually, near, sequence_probs
 
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams
@@ -192,8 +191,4 @@ def test_sampled_tokens_stay_exact_across_drafter_faults():
     fallback = sum("ngram" in r.stats.drafts_by_method for r in reqs)
     resumed = sum(r.stats.drafts_by_method.get("draft_model", 0) > b for r, b in zip(reqs, before))
     assert fallback > len(reqs) // 5 and resumed > len(reqs) // 5, (fallback, resumed)  # 45% and 41% in a trial
-    counts = np.zeros((v,) * length)
-    for r in reqs:
-        counts[tuple(r.out)] += 1
-    p_values = marginal_p_values(counts, sequence_probs(target, prompt, SamplingParams(**params), length))
-    assert min(p_values.values()) > 1e-4, p_values
+    assert_follows([r.out for r in reqs], sequence_probs(target, prompt, SamplingParams(**params), length))
