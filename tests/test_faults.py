@@ -180,7 +180,8 @@ def test_sampled_tokens_stay_exact_across_drafter_faults():
             engine.step()  # a round more on it
             server, port, _ = serve(drafter, host="127.0.0.1", pipeline=True, max_sequences=batch)
             address[0] = f"127.0.0.1:{port}"
-            time.sleep(0.4)  # the reconnect (after 0.25 s: the backoff is back at its start once a call succeeds)
+            remote._reconnecting.join(timeout=30)  # the background reconnect (after 0.25 s, retried until it connects)
+            assert not remote._reconnecting.is_alive()
             before += [r.stats.drafts_by_method.get("draft_model", 0) for r in wave]
             step_until(engine, lambda: all(r.done.is_set() for r in wave))
             step_until(engine, lambda: engine.health()["status"] == "ok")
