@@ -19,10 +19,15 @@ verification and drafts round r+1 as if that outcome had been committed. Two pol
 The speculation cache (fan-out F > 1): besides that outcome, the drafter prepares the F - 1
 likeliest others. An outcome is an accepted length a and the token the target writes at a:
 for a < k, the drafter's runner-up to d_{a+1}; for a = k, its next likeliest bonus tokens. Each
-is ranked by P(exactly a accepted), measured for this k over past rounds, times the drafter's
-probability of the token (for a < k, the runner-up's share of what d_{a+1} leaves). Outcomes
-are prepared in the order of that rank while branch slots are free (the pool is shared by all
-sequences, so at large batches only the likeliest few get one).
+is ranked by this round's P(exactly a accepted) times the drafter's probability of the token
+(for a < k, the runner-up's share of what d_{a+1} leaves). P(a) comes from each draft's chance
+of acceptance given the drafter's probability of it, learnt from the verifier's answers
+(`AcceptanceCalibration`). Until stop 41 P(a) was the share of past rounds with a accepted, the
+same for every round: free preparation of F outcomes would then have hit 0.65, 0.70 and 0.77 of
+greedy rounds at F = 4, 8 and 16, against 0.67, 0.75 and 0.82 now (F <= 3 about alike; 40
+held-out prompts, `benchmarks/diagnostics/hit_ceiling.py`, docs/benchmarks/hit_ceiling.md).
+Outcomes are prepared in the order of that rank while branch slots are free (the pool is shared
+by all sequences, so at large batches only the likeliest few get one).
 
 Branches share the committed prefix: the main outcome drafts in the sequence's own slot, as
 without fan-out; every other outcome drafts in a branch slot forked from it at the outcome's
@@ -55,6 +60,43 @@ from specserve.core.sampling import SamplingParams
 from specserve.drafter.draft_model import DraftModelProposer, Interrupted
 
 
+class AcceptanceCalibration:
+    """P(the verifier accepts a draft | the drafter's probability x of it), from the verifier's
+    answers: decayed counts of accepted and judged drafts in BINS bins of x, a Beta(1, 1) prior
+    in each (so 0.5 before any answer)."""
+
+    BINS = 10
+    DECAY = 0.995  # per judged draft in the bin: recent answers count more
+
+    def __init__(self):
+        self.accepted = [0.0] * self.BINS
+        self.judged = [0.0] * self.BINS
+
+    def _bin(self, x: float) -> int:
+        return min(max(int(x * self.BINS), 0), self.BINS - 1)
+
+    def chance(self, x: float) -> float:
+        b = self._bin(x)
+        return (self.accepted[b] + 1) / (self.judged[b] + 2)
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """A round's answer: the drafts before position `accepted` were accepted, the one there
+        (if any) rejected; those after it were not judged."""
+        for i, x in enumerate(confidences[:accepted + 1]):
+            b = self._bin(x)
+            self.accepted[b] = self.DECAY * self.accepted[b] + (i < accepted)
+            self.judged[b] = self.DECAY * self.judged[b] + 1
+
+    def accepted_distribution(self, confidences: list[float]) -> list[float]:
+        """P(exactly a of these drafts accepted), a = 0..len(confidences)."""
+        out, run = [], 1.0
+        for x in confidences:
+            c = self.chance(x)
+            out.append(run * (1 - c))
+            run *= c
+        return out + [run]
+
+
 @dataclass
 class _Prepared:
     base: int  # committed length before the assumed tokens
@@ -77,7 +119,7 @@ class PipelinedProposer(Proposer):
             raise ValueError(f"fanout must be an integer >= 1, got {fanout!r}")
         self.policy = policy
         self.fanout = fanout
-        self.accepted_counts: dict[int, list[float]] = {}  # k -> past rounds by drafts accepted, 0..k
+        self.calibration = AcceptanceCalibration()  # ranks the outcomes of fan-out
         self.speculated = 0  # sequence-rounds prepared
         self.prepared = 0  # outcomes prepared in them
         self.inner = inner
@@ -158,10 +200,8 @@ class PipelinedProposer(Proposer):
         while n < k and n < len(item.new_tokens) - 1 and item.new_tokens[n] == last.tokens[n]:
             n += 1
         self.rounds += 1
-        counts = self.accepted_counts.setdefault(k, [0.0] * (k + 1))
-        for a in range(k + 1):
-            counts[a] *= 0.99  # recent rounds count more
-        counts[n] += 1
+        conf = self.last_conf.get(item.seq_id) or []
+        self.calibration.observe([c[0] for c in conf[:k]], n)
         guess = self.guessed.pop(item.seq_id, None)
         if n == k:
             self.all_accepted += 1
@@ -170,7 +210,6 @@ class PipelinedProposer(Proposer):
                 self.guess_right += item.new_tokens[k] == guess
         elif n == 0:
             self.first_rejected += 1
-            conf = self.last_conf.get(item.seq_id)
             self.runner_up_right += bool(conf) and item.new_tokens[0] == conf[0][1]
 
     def speculate(self, seq_ids: list[str]) -> None:
@@ -228,11 +267,12 @@ class PipelinedProposer(Proposer):
         candidates = []  # (rank, sequence, outcome)
         for s in ids:
             d, conf = self.last[s].tokens, self.last_conf.get(s) or []
-            p = self._accepted_distribution(len(d))
+            conf = conf[:len(d)]  # (a draft cut by confidence or k has drafted past its end)
+            p = self.calibration.accepted_distribution([c[0] for c in conf])
             tokens, probs = bonus.get(s, ([], []))
-            candidates += [(p[len(d)] * q, s, d + [t]) for t, q in zip(tokens[1:], probs[1:])]
+            candidates += [(p[-1] * q, s, d + [t]) for t, q in zip(tokens[1:], probs[1:])]
             candidates += [(p[a] * qalt / max(1.0 - qx, 1e-6), s, d[:a] + [alt])
-                           for a, (qx, alt, qalt) in enumerate(conf[:len(d)])]
+                           for a, (qx, alt, qalt) in enumerate(conf)]
         candidates.sort(key=lambda c: -c[0])
         per_seq = dict.fromkeys(ids, 1)
         out = []
@@ -245,12 +285,6 @@ class PipelinedProposer(Proposer):
             out.append((s, outcome, b))
             per_seq[s] += 1
         return out
-
-    def _accepted_distribution(self, k: int) -> list[float]:
-        """P(exactly a of k drafts accepted), a = 0..k, from past rounds with k drafts (smoothed)."""
-        counts = self.accepted_counts.get(k, [0.0] * (k + 1))
-        total = sum(counts) + k + 1
-        return [(c + 1) / total for c in counts]
 
     def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
         """The committed tokens of the outcome "d_1 rejected, runner-up written" when it has been

@@ -121,3 +121,24 @@ def test_an_interrupted_preparation_leaves_nothing_behind(fanout):
         got = pipelined.propose([ProposeItem("s", answer, 4)])[0]
         want = on_demand.propose([ProposeItem("s", answer, 4)])[0]
         assert not got.pipeline_hit and got.tokens == want.tokens
+
+
+def test_fan_out_prepares_the_outcome_this_rounds_drafts_make_likeliest():
+    """The speculation cache ranks outcomes by this round's P(a accepted), from each draft's
+    calibrated chance given the drafter's probability of it: with confident drafts accepted and
+    unsure ones rejected so far, a draft unsure only at d_2 gets the branch "d_1 accepted, the
+    runner-up to d_2 written", though by the runner-ups' shares alone (0.8 at d_1 and d_3 against
+    0.125 at d_2) d_1's or d_3's would win."""
+    inner = DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=1), slots=2), branch_slots=1)
+    pipelined = PipelinedProposer(inner, fanout=2)
+    for _ in range(200):
+        pipelined.calibration.observe([0.95, 0.95, 0.2, 0.95], 2)
+    assert pipelined.calibration.chance(0.95) > 0.95 and pipelined.calibration.chance(0.2) < 0.05
+    assert pipelined.calibration.chance(0.5) == 0.5  # a bin with no answers yet
+    pipelined.start("s", [1, 2, 3], SamplingParams(seed=0))
+    d = pipelined.propose([ProposeItem("s", [], 4)])[0].tokens
+    alts = [alt for _, alt, _ in pipelined.last_conf["s"]]
+    pipelined.last_conf["s"] = [(0.95, alts[0], 0.04), (0.2, alts[1], 0.1), (0.95, alts[2], 0.04), (0.95, alts[3], 0.04)]
+    pipelined.speculate(["s"])
+    main, branch = pipelined.ready["s"]
+    assert main.assumed[:4] == d and branch.assumed == d[:1] + [alts[1]]
