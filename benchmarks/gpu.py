@@ -7,7 +7,12 @@
 2. runs the pair's two actors on that one GPU (`gpus_per_actor: 0.5`) and measures plain,
    speculative (sequential) and pipelined tokens/s through Ray + gRPC, and a colocated pair
    (`colocate: true`: one actor, the drafter in its process, on the whole GPU);
-3. writes OUT.md and OUT.json (default docs/benchmarks/gpu).
+3. sweeps the speculation cache's fan-out (pipelined, k fixed, `--fanouts`, default 1, 4, 8):
+   tokens/s and pipeline hit rate at each. On the CPU, preparing F outcomes costs about F drafter
+   passes, so fan-out past 3 loses (docs/benchmarks/distributed.md); on a GPU a batched drafter pass
+   costs about the same at any F, and hit_ceiling.md puts the free-preparation hit rate at 0.67,
+   0.75, 0.82 for F = 4, 8, 16 (greedy): this row says how close the timed pair comes;
+4. writes OUT.md and OUT.json (default docs/benchmarks/gpu).
 
     specserve bench gpu                 # on a machine with a GPU
     specserve bench gpu --dry-run       # the same code on the CPU, small: what CI runs
@@ -76,6 +81,37 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compil
     return row
 
 
+def _hit_rate_run(generate, prompts, max_tokens, k) -> tuple[float, float]:
+    """Median tokens/s over prompts, and the pipeline hit rate over all their drafted rounds."""
+    from specserve.core.sampling import SamplingParams
+    rates, hits, drafts = [], 0, 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = generate(p, max_tokens, SamplingParams(), k)
+        rates.append(len(r.token_ids) / (time.perf_counter() - t0))
+        hits, drafts = hits + r.stats.num_pipeline_hits, drafts + r.stats.num_drafts
+    return statistics.median(rates), hits / drafts if drafts else 0.0
+
+
+def fanout_sweep(device: str, dtype: str, prompts, max_tokens: int, k: int, fanouts: list[int]) -> list[dict]:
+    """The pair pipelined at each fan-out, k fixed (so every round drafts k and the hit rate is the
+    issue's measure), both actors on one device."""
+    from specserve.cluster.pair import SpeculativePair, ensure_ray
+    ensure_ray()
+    target, drafter = str(DEFAULT_MODEL_DIR / "target"), str(DEFAULT_MODEL_DIR / "drafter")
+    rows = []
+    for f in fanouts:
+        pair = SpeculativePair(target, drafter, pipeline=True, fanout=f, speculation="fixed", device=device,
+                               dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1)
+        try:
+            _hit_rate_run(pair.generate, prompts[:1], 8, k)  # warm-up
+            tok_s, hit = _hit_rate_run(pair.generate, prompts, max_tokens, k)
+        finally:
+            pair.shutdown()
+        rows.append({"fanout": f, "tok_s": tok_s, "pipeline_hit_rate": hit})
+    return rows
+
+
 def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dict:
     from specserve.cluster.pair import SpeculativePair, ensure_ray
     ensure_ray()
@@ -116,6 +152,13 @@ def markdown(report: dict, command: str) -> str:
               f"| {d['plain_tok_s']:.1f} | {d['speculative_tok_s']:.1f} | {d['pipelined_tok_s']:.1f} | "
               f"{d['speculative_over_plain']:.2f} | {d['pipelined_over_sequential']:.2f} | {d['colocated_tok_s']:.1f} | "
               f"{d['colocated_over_plain']:.2f} |", ""]
+    if report.get("fanout_sweep"):
+        base = report["fanout_sweep"][0]["tok_s"]
+        lines += [f"The speculation cache's fan-out, pipelined, k = {report['k']} fixed, {report['distributed_dtype']} "
+                  "(greedy; the free-preparation ceiling is in hit_ceiling.md):", "",
+                  "| fan-out | tok/s | pipeline hit rate | tok/s / the first row's |", "|---|---|---|---|"]
+        lines += [f"| {r['fanout']} | {r['tok_s']:.1f} | {r['pipeline_hit_rate']:.2f} | {r['tok_s'] / base:.2f} |"
+                  for r in report["fanout_sweep"]] + [""]
     if report["dry_run"]:
         lines.insert(2, "**Dry run on the CPU** (the code path of the GPU check, small): no GPU figure here.\n")
     return "\n".join(lines)
@@ -131,11 +174,19 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile-row", action="store_true",
                    help="skip the compiled (CUDA graphs) bfloat16 row (a dry run skips it unless --compile-row)")
     p.add_argument("--compile-row", action="store_true", help="with --dry-run: run the compiled row too")
+    p.add_argument("--fanouts", default=None, help="fan-outs to sweep, comma-separated (default 1,4,8; dry run: 1,2)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu"))
     args = p.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("specserve bench gpu: error: no CUDA GPU visible (use --dry-run on a CPU)", file=sys.stderr)
+        return 2
+    try:
+        fanouts = [int(f) for f in (args.fanouts or ("1,2" if args.dry_run else "1,4,8")).split(",")]
+        for f in fanouts:
+            SpecServeConfig(pipeline=True, fanout=f)
+    except ValueError as e:
+        print(f"specserve bench gpu: error: --fanouts: {e}", file=sys.stderr)
         return 2
     n = args.prompts or (2 if args.dry_run else 10)
     max_tokens = args.max_tokens or (16 if args.dry_run else 128)
@@ -155,6 +206,7 @@ def main(argv=None) -> int:
     if (args.compile_row or not args.dry_run) and not args.no_compile_row:
         report["in_process"].append(in_process(device, "bfloat16", prompts, max_tokens, args.k, compile=True))
     report["distributed"] = distributed(device, report["distributed_dtype"], prompts, max_tokens, args.k)
+    report["fanout_sweep"] = fanout_sweep(device, report["distributed_dtype"], prompts, max_tokens, args.k, fanouts)
     report["seconds"] = time.perf_counter() - t0
     write_results(args.out, report, markdown(report, "specserve bench gpu " + " ".join(argv)))
     return 0

@@ -148,11 +148,15 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
 
     from specserve.benchmarks import gpu
     out = str(tmp_path / "gpu")
-    assert gpu.main(["--dry-run", "--prompts", "1", "--max-tokens", "8", "--out", out]) == 0
+    assert gpu.main(["--dry-run", "--prompts", "1", "--max-tokens", "32", "--out", out]) == 0
     report = json.loads(open(out + ".json").read())
     assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
     assert report["in_process"][0]["greedy_equal"] == 1
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
+    sweep = report["fanout_sweep"]
+    assert [r["fanout"] for r in sweep] == [1, 2] and all(r["tok_s"] > 0 and 0 <= r["pipeline_hit_rate"] <= 1 for r in sweep)
+    assert sum(r["pipeline_hit_rate"] for r in sweep) > 0  # pipelined rounds did find prepared drafts
+    assert gpu.main(["--dry-run", "--fanouts", "1,17", "--out", out]) == 2  # a bad fan-out: refused at once
 
 
 def test_auto_dtype_by_model(tmp_path):
