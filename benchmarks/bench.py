@@ -135,32 +135,56 @@ def measure(generate, prompts, max_tokens: int, k: int, sampling=None) -> dict:
 
 
 def run_rows(rows: dict, prompts, max_tokens: int, k: int, repeats: int, sampling: dict | None = None) -> dict:
-    """rows: name -> factory() returning (generate, close); generate(prompt_ids, max_tokens, sampling, k)
-    returns a GenerationResult. Every row is started (and warmed up) before any is timed, and the
-    rows' runs are interleaved, so the machine's drift over minutes hits every row alike (timed one
-    after another, rows differed more between runs than from each other). sampling: name ->
+    """rows: name -> factory() returning (generate, close) or (generate, close, probe);
+    generate(prompt_ids, max_tokens, sampling, k) returns a GenerationResult; probe() returns a
+    flat dict of counters (round times), whose growth over the timed runs the row's result keeps
+    as "probe". Every row is started (and warmed up) before any is timed, and the rows' runs are
+    interleaved, so the machine's drift over minutes hits every row alike (timed one after
+    another, rows differed more between runs than from each other). sampling: name ->
     SamplingParams for rows that sample (default greedy)."""
     from specserve.core.sampling import SamplingParams
-    started, per_run = {}, {name: [] for name in rows}
+    started, per_run, probed = {}, {name: [] for name in rows}, {}
     try:
         for name, factory in rows.items():
             started[name] = factory()
             started[name][0](prompts[0], 8, SamplingParams(), k)  # warm-up
         for rep in range(repeats):
-            for name, (generate, _) in started.items():
+            for name, (generate, _, *probe) in started.items():
+                before = probe[0]() if probe else None
                 per_run[name].append(measure(generate, prompts, max_tokens, k, (sampling or {}).get(name)))
+                if probe:
+                    grown = Counter(probe[0]())
+                    grown.subtract(before)
+                    probed.setdefault(name, Counter()).update(grown)
                 print(f"  {name}: {per_run[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
-        for _, close in started.values():
+        for _, close, *_ in started.values():
             close()
     results = {}
     for name, runs in per_run.items():
         results[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         results[name]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+        if name in probed:
+            results[name]["probe"] = dict(probed[name])
     base = results[next(iter(results))]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / base
     return results
+
+
+def round_probe(verifier_times, drafter_times=None):
+    """A run_rows probe: the engine's round times (RoundTimes.to_dict() from `verifier_times()`)
+    and, for a remote drafter, its server's (DrafterTimes.to_dict() from `drafter_times()`),
+    flattened."""
+    def probe() -> dict:
+        v = verifier_times()
+        out = {"rounds": v["rounds"], **{f"verifier_{p}": s for p, s in v["seconds"].items()}}
+        if drafter_times is not None:
+            d = drafter_times()
+            out.update(drafter_proposes=d["proposes"], drafter_preparations=d["preparations"],
+                       **{f"drafter_{p}": s for p, s in d["seconds"].items()})
+        return out
+    return probe
 
 
 def init_ray(actors: int) -> None:
@@ -173,6 +197,8 @@ def init_ray(actors: int) -> None:
 
 
 def bench_distributed(args) -> dict:
+    import ray
+
     from specserve.cluster.pair import SpeculativePair
     from specserve.core.runner import ModelRunner
     from specserve.core.sampling import SamplingParams
@@ -196,11 +222,12 @@ def bench_distributed(args) -> dict:
         def factory():
             pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
                                    fanout=fanout, dtype=args.dtype)
-            return pair.generate, pair.shutdown
+            return pair.generate, pair.shutdown, round_probe(lambda: ray.get(pair.verifier.times.remote()),
+                                                             lambda: ray.get(pair.drafter.actor.times.remote()))
         return factory
 
     rows = {"1 target only (in process)": lambda: (plain.generate, lambda: None),
-            "2 speculative (in process)": lambda: (spec.generate, lambda: None),
+            "2 speculative (in process)": lambda: (spec.generate, lambda: None, round_probe(spec.times.to_dict)),
             "3 distributed, sequential": distributed(False),
             "4 distributed, pipelined": distributed("all-accepted"),
             "4b distributed, pipelined (most-likely policy)": distributed("most-likely"),
@@ -457,6 +484,36 @@ def markdown_batching(report: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def round_split_table(rows: dict) -> list[str]:
+    """Markdown lines: where a round goes in the rows with a probe (ms per round over the timed
+    runs), the verifier's wait for drafts set against the drafter server's handler time."""
+    probed = {name: r["probe"] for name, r in rows.items() if r.get("probe", {}).get("rounds")}
+    if not probed:
+        return []
+    lines = ["", "Where a round goes (ms per round over the timed runs). `wait`: the verifier's propose call and "
+             "its wait for drafts asked for early (in process: the drafting itself); `other`: the loop's other "
+             "phases (bookkeeping with the early send, admission, starts, releases); `pass`: the target pass. "
+             "`handler`: the drafter server's Propose handlers, from the request's arrival to its reply built, "
+             "of which `lock` waited for the model lock and `draft` drafted; `prep`: its background preparations. "
+             "`wire`: the transport and the hand-offs on both sides, bounded: the round trip starts at the early "
+             "send, inside `other`, so it lies between wait and wait + other, and wire between those minus the "
+             "handler.", "",
+             "| row | rounds | wait | other | pass | handler | lock | draft | prep | wire |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, p in probed.items():
+        ms = {key: 1e3 * value / p["rounds"] for key, value in p.items() if key != "rounds"}
+        wait = ms["verifier_draft"] + ms["verifier_early_wait"]
+        other = sum(v for key, v in ms.items() if key.startswith("verifier_")) - wait - ms["verifier_pass"]
+        remote = ["–"] * 5
+        if "drafter_handler" in ms:
+            h = ms["drafter_handler"]
+            remote = [f"{h:.2f}", f"{ms['drafter_lock_wait']:.2f}", f"{ms['drafter_propose']:.2f}",
+                      f"{ms['drafter_prepare']:.2f}", f"{max(wait - h, 0.0):.2f}-{wait + other - h:.2f}"]
+        lines.append(f"| {name} | {p['rounds']} | {wait:.2f} | {other:.2f} | {ms['verifier_pass']:.2f} | "
+                     + " | ".join(remote) + " |")
+    return lines
+
+
 def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, {dtypes_line(report)}k = {report['k']}, {report['prompts']} prompts of "
@@ -489,6 +546,7 @@ def markdown(report: dict, command: str) -> str:
         best = report["rows"]["4 distributed, pipelined" if f == 1 else f"5 distributed, pipelined, fan-out {f}"]
         lines += [f"- fastest fan-out (rows 4 and 5): {report['best_fanout']} ({best['tokens_per_s'] / report['rows']['3 distributed, sequential']['tokens_per_s']:.2f}× "
                   f"row 3, {best['speedup'] / report['ideal_speedup']:.0%} of the ideal)"]
+    lines += round_split_table(report["rows"])
     lines += ["", "Pipeline hit rate by the outcome of the round before (drafts accepted a; without fan-out the "
               "drafter prepares for a = k only):", "",
               "| row | " + " | ".join(f"a = {a}" for a in range(report["k"] + 1)) + " |",

@@ -36,6 +36,10 @@ class DrafterActor:
         import time
         return time.process_time()
 
+    def times(self) -> dict:
+        """The server's DrafterTimes so far (counts and seconds: for benchmarks)."""
+        return self.servicer.times.to_dict()
+
     def accelerator_ids(self) -> list[str]:
         return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
 

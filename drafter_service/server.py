@@ -15,6 +15,9 @@ drafter's preparation of all the others (23.5 ms per round at 32 sequences in th
 A sequence whose verifier went away without a Release (a verifier crash, a lost network) is
 reclaimed once it has had no call for `seq_ttl_s`. The server binds to one address (the node's,
 from the actor) and refuses messages over MAX_MESSAGE_BYTES.
+
+`DrafterTimes` counts where the server's time goes (Propose handlers, the model lock, drafting,
+preparations), for benchmarks to split a remote round into drafting and transport.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -39,6 +43,31 @@ MAX_K = 64
 BRANCH_SEQUENCES = 4  # branch slots are kept for this many sequences' fan-out (pipelining pays at small batches)
 MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_SEQ_TTL_S = 600.0
+
+
+@dataclass
+class DrafterTimes:
+    """The server's time, summed (seconds): Propose handlers from the request's arrival to its
+    reply built ("handler"); in them, waiting for the model lock ("lock_wait": a preparation or
+    another call held it) and the proposer's call ("propose"); and background preparations
+    ("prepare"). Counts: Propose requests answered, preparations run."""
+
+    proposes: int = 0
+    preparations: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("handler", "lock_wait", "propose", "prepare"), 0.0))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, count: str | None = None, **seconds: float) -> None:
+        with self.lock:  # handlers of several streams and the preparation thread add at once
+            if count:
+                setattr(self, count, getattr(self, count) + 1)
+            for phase, s in seconds.items():
+                self.seconds[phase] += s
+
+    def to_dict(self) -> dict:
+        with self.lock:
+            return {"proposes": self.proposes, "preparations": self.preparations, "seconds": dict(self.seconds)}
 
 
 class RequestError(Exception):
@@ -77,6 +106,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.to_release: set[str] = set()  # released, not applied yet (see `_locked`)
         self.release_lock = threading.Lock()  # guards to_release only
         self.background = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculate")
+        self.times = DrafterTimes()
 
     @property
     def live_sequences(self) -> int:
@@ -164,10 +194,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             yield self._handle(context, lambda: self._propose(request))
 
     def _propose(self, request):
+        arrived = time.perf_counter()
         if self.pipeline and self.proposer.preparing and not all(
                 self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k) for item in request.items):
             self.proposer.interrupt.set()  # drafting on demand follows: stop preparing guesses that lost
         with self._locked():
+            locked = time.perf_counter()
             if self.pipeline:
                 self.proposer.interrupt.clear()
             items = []
@@ -186,6 +218,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
                 items.append(ProposeItem(item.seq_id, new_tokens, item.k, item.min_confidence))
             drafts = self.proposer.propose(items)
+            drafted = time.perf_counter()
             now = time.monotonic()
             for item in items:
                 self.versions[item.seq_id] += 1
@@ -195,15 +228,22 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if self.pipeline:
             self.background.submit(self._speculate, versions)
         qs = _to_host([d.probs for d in drafts])
-        return pb.ProposeReply(drafts=[
+        reply = pb.ProposeReply(drafts=[
             pb.Draft(seq_id=item.seq_id, round=req.round, tokens=d.tokens, pipeline_hit=d.pipeline_hit,
                      prepared=d.prepared, q=[q_to_proto(row) for row in q] if q is not None else [])
             for item, req, d, q in zip(items, request.items, drafts, qs)])
+        self.times.add("proposes", handler=time.perf_counter() - arrived, lock_wait=locked - arrived,
+                       propose=drafted - locked)
+        return reply
 
     def _speculate(self, versions: dict[str, int]) -> None:
         with self._locked():
+            t0 = time.perf_counter()
             # skip sequences released since, or whose verifier already came back: nothing to hide
-            self.proposer.speculate([s for s, v in versions.items() if self.versions.get(s) == v])
+            current = [s for s, v in versions.items() if self.versions.get(s) == v]
+            if current:
+                self.proposer.speculate(current)
+                self.times.add("preparations", prepare=time.perf_counter() - t0)
 
     def Release(self, request, context):
         """Answered at once: applied now if the lock is free, else by its holder when it is done."""

@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+import ray
 from conftest import assert_follows, near, sequence_probs
 
 from specserve.cluster.pair import SpeculativePair
@@ -48,10 +49,12 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
                                dtype=dtype)
         try:
             rng = random.Random(i)
+            drafted_rounds = 0
             for _ in range(4):
                 prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
                 n, k = rng.randint(1, 48), rng.randint(1, 6)
                 got = pair.generate(prompt, n, SamplingParams(), k)
+                drafted_rounds += got.stats.num_drafts
                 want = plain_greedy(target, prompt, n, dtype)
                 assert got.token_ids == want.token_ids, (i, prompt, k)
                 assert got.finish_reason == want.finish_reason
@@ -60,6 +63,14 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
                     assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
                     if pipeline and got.stats.num_drafts > 1:
                         assert got.stats.num_pipeline_hits > 0
+            # the drafter server's counters (the benches' split of a round): one Propose per drafted
+            # round at one sequence (more: catch-up calls), handler time covering its parts, and
+            # background preparations only where pipelining is on
+            times = ray.get(pair.drafter.actor.times.remote())
+            assert times["proposes"] >= drafted_rounds > 0
+            seconds = times["seconds"]
+            assert seconds["handler"] >= seconds["lock_wait"] + seconds["propose"] > 0
+            assert (times["preparations"] > 0) == pipeline and (seconds["prepare"] > 0) == pipeline
         finally:
             pair.shutdown()
 
