@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from specserve.benchmarks.bench import round_split_table
 from specserve.benchmarks.endpoint import write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
@@ -113,6 +114,13 @@ def fanout_sweep(device: str, dtype: str, prompts, max_tokens: int, k: int, fano
 
 
 def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> dict:
+    """tokens/s of each pair mode, and where its rounds went over the timed run ("round_split":
+    the engine's round times and the drafter server's, as the distributed bench splits them)."""
+    from collections import Counter
+
+    import ray
+
+    from specserve.benchmarks.bench import round_probe
     from specserve.cluster.pair import SpeculativePair, ensure_ray
     ensure_ray()
     fields = dict(device=device, dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1)
@@ -122,9 +130,15 @@ def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> di
                                              ("pipelined", drafter, True, k), ("colocated", drafter, False, k)):
         colocated = dict(colocate=True, gpus_per_actor=1.0) if name == "colocated" else {}
         pair = SpeculativePair(target, drafter_path, pipeline=pipeline, **{**fields, **colocated})
+        probe = round_probe(lambda: ray.get(pair.verifier.times.remote()),
+                            (lambda: ray.get(pair.drafter.actor.times.remote())) if pair.drafter else None)
         try:
             _tok_per_s(pair.generate, prompts[:1], 8, kk)  # warm-up
+            before = probe()
             out[f"{name}_tok_s"] = _tok_per_s(pair.generate, prompts, max_tokens, kk)
+            grown = Counter(probe())
+            grown.subtract(before)
+            out.setdefault("round_split", {})[name] = {"probe": dict(grown)}
         finally:
             pair.shutdown()
     out["speculative_over_plain"] = out["speculative_tok_s"] / out["plain_tok_s"]
@@ -151,7 +165,8 @@ def markdown(report: dict, command: str) -> str:
               "|---|---|---|---|---|---|---|",
               f"| {d['plain_tok_s']:.1f} | {d['speculative_tok_s']:.1f} | {d['pipelined_tok_s']:.1f} | "
               f"{d['speculative_over_plain']:.2f} | {d['pipelined_over_sequential']:.2f} | {d['colocated_tok_s']:.1f} | "
-              f"{d['colocated_over_plain']:.2f} |", ""]
+              f"{d['colocated_over_plain']:.2f} |"]
+    lines += round_split_table(d.get("round_split", {})) + [""]
     if report.get("fanout_sweep"):
         base = report["fanout_sweep"][0]["tok_s"]
         lines += [f"The speculation cache's fan-out, pipelined, k = {report['k']} fixed, {report['distributed_dtype']} "

@@ -153,6 +153,10 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
     assert report["in_process"][0]["greedy_equal"] == 1
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
+    split = {m: r["probe"] for m, r in report["distributed"]["round_split"].items()}  # where the rounds went
+    assert split["speculative"]["drafter_proposes"] > 0 and split["pipelined"]["drafter_preparations"] > 0
+    assert "drafter_proposes" not in split["colocated"] and split["plain"]["verifier_pass"] > 0
+    assert "Where a round goes" in open(out + ".md").read()
     sweep = report["fanout_sweep"]
     assert [r["fanout"] for r in sweep] == [1, 2] and all(r["tok_s"] > 0 and 0 <= r["pipeline_hit_rate"] <= 1 for r in sweep)
     assert sum(r["pipeline_hit_rate"] for r in sweep) > 0  # pipelined rounds did find prepared drafts
