@@ -2,11 +2,12 @@
 32 slots), one warm-up request, then closed-loop runs at 1, 1, 2 and 2 sequences (4 x C requests
 of 64 held-out prompt tokens, 64 new tokens, at least 8): tokens/s and rounds by k per run, then
 the policy's last choices and its state (startup profile, M(k) fits, guard, calibrations).
-Stop 44 (the Zen 5 EPYC), two fresh pairs a minute apart: in the first, M(1, k) stood at 5.4 ms
-for k = 1 and 4 alike, and at one sequence 88-113 of about 210 rounds drafted nothing (444 and
-431 tok/s); in the second, M(1, 1) = 1.2 and M(1, 4) = 4.8 ms, and every round but one drafted
-(511 and 552 tok/s). At two sequences the first pair's guard vetoed speculation (608-648 tok/s).
-What a fresh pair does at one sequence depends on its startup measurements that much.
+Stop 44 (the Zen 5 EPYC), two fresh pairs a minute apart. The first: at one sequence 88-113 of
+about 210 rounds drafted nothing (444 and 431 tok/s), at two its guard vetoed speculation
+(608-648 tok/s), and its M(1, k) fit at the end stood at 5.4 ms for k = 1 and 4 alike. The
+second (run at one sequence only): every round but one drafted (511 and 552 tok/s), M(1, 1) =
+1.2 and M(1, 4) = 4.8 ms. Two identical fresh pairs can differ that much at one sequence; which
+of the policy's inputs tipped the first one is not established.
 
     .venv/bin/python benchmarks/diagnostics/policy_startup_spread.py
 """
