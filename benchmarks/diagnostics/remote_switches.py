@@ -4,7 +4,7 @@ server in a child process (no Ray, sequential), batch 1, k = 4, 6 held-out promp
 per round: the target pass's wall and CPU ms, this process's minor faults and context switches,
 and the context switches of each thread (MAIN: the engine's loop). PIN=1 pins the loop thread to
 CPU 0 and every other thread of this process, and the drafter's process, to CPU 1.
-Stop 44 (the Zen 5 EPYC): remote / in process 0.78-0.87 in tokens/s; the remote engine's pass
+Stop 44 (the Zen 5 EPYC): remote / in process 0.77-0.89 in tokens/s (five runs); the remote engine's pass
 2.68-2.98 ms against 2.47-2.61 in process (2.72-2.75 after the sleep); 12-15 voluntary and 4-6
 involuntary context switches per round against 0.7 and 0.1, the loop thread preempted 1.7-1.8
 times a round (the stream's request-feeding thread woke 6 times a round). Pinned, the loop
