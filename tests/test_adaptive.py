@@ -584,13 +584,42 @@ def test_the_guard_leaves_speculation_on_where_it_wrote_more(b, gain, tried):
     assert chosen.count(0) <= (25 if tried else 0)
 
 
+def test_the_guard_keeps_speculation_on_where_it_measured_a_clear_win():
+    """Where speculating wrote clearly more than plain decoding (1500 against 1000 tokens/s here),
+    the guard keeps speculation on for GUARD_HOLD rounds when the model turns to k = 0 (its costs
+    changed to say speculating loses, 0.75x), and measures plain decoding afresh after; without
+    the keep (until stop 39) the model's k = 0 held (batching_6514ef5.md at one sequence)."""
+    from specserve.verifier.policy import GUARD_HOLD
+    policy, chosen = _guarded_run(on_rate=1500.0, off_rate=1000.0, b=2, gain=1.15, rounds=300)
+    guard = policy.guard
+    assert guard.keeps(2, policy.rounds) and guard.rate(2, False) is None  # plain's measurement dropped
+    wide = policy.costs(2, 1) * 4.0  # from here the model expects speculating to lose (0.75x)
+    policy.costs = PassCosts({(2, 1): policy.costs(2, 1), **{(2, w): wide for w in (2, 3, 4, 5)}})
+    rows = [Acceptance() for _ in range(2)]
+    model = policy.model_rates([4] * 2, rows, ["ngram"] * 2)
+    assert max(model[1:]) < 0.9 * model[0]
+    later = []
+    while guard.keeps(2, policy.rounds):
+        later.append(max(policy.choose([4] * 2, rows, ["ngram"] * 2)))
+        policy.observe_outcome(2, 2, 2 / 1500.0)
+    assert 0 < len(later) <= GUARD_HOLD and later.count(0) == 0
+    after = []  # the keep ended: the model's k = 0, until plain decoding is measured again
+    for _ in range(100):
+        after.append(max(policy.choose([4] * 2, rows, ["ngram"] * 2)))
+        policy.observe_outcome(2, 2, 2 / (1500.0 if after[-1] or policy.since_drafted <= SETTLE_ROUNDS else 1000.0))
+    # plain rounds until plain decoding is measured (43 here), then the comparison keeps speculation on again
+    assert after[0] == 0 and 0 < after.count(0) < 60 and after[-1] > 0 and guard.keepings >= 2
+    assert guard.keeps(2, policy.rounds)
+
+
 def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
     """At one sequence a drafting round writes 1 to 5 tokens: over a few rounds its rate swings
     widely. Speculating at 1.3x plain (random counts) against plain rounds: never vetoed, in any
     of 20 seeds, while the guard has measured both (a low expected gain, so it tries plain rounds)."""
     for seed in range(20):
         policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=1, gain=1.1, rounds=600, seed=seed)
-        assert policy.guard.tried and policy.guard.rate(1, False) is not None
+        # (compared: plain decoding's rate is there, or was dropped when speculating's clear win kept it on)
+        assert policy.guard.tried and (policy.guard.rate(1, False) is not None or policy.guard.keepings)
         assert policy.guard.vetoes == 0, seed
 
 
@@ -704,7 +733,9 @@ def test_one_trial_of_plain_rounds_measures_plain_decoding(b):
     rounds had not: 64 decayed rounds weigh 47), and no second trial is needed."""
     from specserve.verifier.policy import TRIAL_EVERY
     policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=b, gain=1.1, rounds=TRIAL_EVERY - 20)
-    assert len(policy.guard.tried) == 1 and policy.guard.rate(b, False) is not None
+    # the trial measured plain decoding: speculating measured 1.3x ahead of it, so the guard keeps
+    # speculation on (and drops plain's measurement, to measure it afresh next time)
+    assert len(policy.guard.tried) == 1 and policy.guard.keepings == 1
     assert policy.guard.vetoes == 0
     # plain rounds (b tokens each, not random) need at most 32 of them: the trial at one sequence
     # is no longer than at two (114 rounds until stop 34), at eight it needs 8 rounds

@@ -70,6 +70,8 @@ measured per batch size. Where speculating measured fewer tokens per second than
 it vetoes speculation there for a while (and tries plain rounds where the model keeps
 speculation on with a small expected gain and plain decoding is unmeasured), so a model that is wrong about a load (in stop 26's
 runs it kept drafting at 4-16 sequences where every fixed-k row lost) is not wrong for long.
+The other way round, where speculating measured clearly ahead of plain decoding
+(GUARD_KEEP_MARGIN), it keeps speculation on there for a while whatever the model says.
 
 The drafter's confidence can stop a draft early: the drafter cuts a draft before the first
 position whose distribution's largest probability is below `min_confidence`
@@ -117,6 +119,7 @@ MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
 GUARD_CLEAR_LOSS = 0.85  # speculating below this of plain decoding holds the veto GUARD_HOLD rounds; a loss between
 # this and 1 - GUARD_MARGIN, which may be noise, holds it a quarter as long (see Guard)
+GUARD_KEEP_MARGIN = 0.10  # speculating measured this much above plain decoding keeps it on GUARD_HOLD rounds (see Guard)
 TRIAL_EVERY = 256  # rounds before a trial of plain rounds at a bucket is tried again (if it measured nothing)
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
@@ -399,8 +402,16 @@ class Guard:
     rounds plus as many as the minimum weights need at that batch size (decaying: 39 rounds at one
     sequence, 102 until stop 34; until stop 29 the trial counted 64 there, which the decayed weight never reached, so
     the first trial measured nothing), and again TRIAL_EVERY rounds later if those did not measure plain decoding there (the batch size moved to another
-    bucket meanwhile). The guard only ever turns speculation off: plain decoding is what "never
-    slower than plain" is measured against."""
+    bucket meanwhile).
+
+    The other way round, where speculating measured more than 1 + GUARD_KEEP_MARGIN times plain
+    decoding, the guard keeps speculation on at that bucket for GUARD_HOLD rounds whatever the
+    model says, with no trial of plain rounds there meanwhile, and drops plain decoding's
+    measurement there (so the next comparison measures it afresh, as a veto drops speculating's). Until stop 39 the guard only turned speculation off:
+    in batching_6514ef5.md the pair's model, its miss cost put at 15 ms on a slow day, chose k = 0
+    in 179 of 419 rounds at one sequence, rating plain decoding at about 165 tok/s and speculating
+    at 133, while the guard had measured speculating ahead (0.82 worth per second against 0.72);
+    that row ran 1.05x plain, fixed k 1.18x."""
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
@@ -410,6 +421,8 @@ class Guard:
         self.backoff: dict[int, int] = {}
         self.lost: set[int] = set()  # buckets whose last comparison was a clear loss (see vetoed)
         self.vetoes = 0  # vetoes so far
+        self.kept: dict[int, int] = {}  # bucket -> the policy round its keeping speculation on ends
+        self.keepings = 0  # times it kept speculation on so far
 
     @staticmethod
     def bucket(b: int) -> int:
@@ -421,6 +434,10 @@ class Guard:
         bucket = self.bucket(b)
         return any(end > now and bk <= bucket for bk, end in self.until.items()) \
             or any(bk < bucket for bk in self.lost)
+
+    def keeps(self, b: int, now: int) -> bool:
+        """Speculation stays on at b's bucket whatever the model says (see the class)."""
+        return self.kept.get(self.bucket(b), -1) > now
 
     def try_plain(self, b: int, now: int, gain: float) -> bool:
         """Notes the model's expected gain of speculating at b; starts a trial of plain rounds at
@@ -475,10 +492,15 @@ class Guard:
         else:
             self.backoff[bucket] = 0
             self.lost.discard(bucket)
+            if rate_on > (1 + GUARD_KEEP_MARGIN) * rate_off:  # a clear win: the model, if it says off, is wrong here
+                self.kept[bucket] = now + GUARD_HOLD
+                del self.sums[(bucket, False)]  # (a later comparison measures plain decoding afresh)
+                self.keepings += 1
 
     def state(self, now: int) -> dict:
-        return {"vetoes": self.vetoes,
+        return {"vetoes": self.vetoes, "keepings": self.keepings,
                 "vetoed_buckets": sorted(bk for bk, end in self.until.items() if end > now),
+                "kept_buckets": sorted(bk for bk, end in self.kept.items() if end > now),
                 "lost_buckets": sorted(self.lost),
                 "tried_buckets": sorted(self.tried),
                 "worth_per_s": {f"{bk}{'+spec' if on else ''}": round(t / s, 4)
@@ -560,7 +582,9 @@ class SpeculationPolicy:
             self.on = rates[0] <= (1 + HYSTERESIS) * rates[best]
         else:
             self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
-        trial = self.on and self.guard.try_plain(b, self.rounds, rates[best] / max(rates[0], 1e-12))
+        self.on = self.on or self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
+        trial = self.on and not self.guard.keeps(b, self.rounds) and \
+            self.guard.try_plain(b, self.rounds, rates[best] / max(rates[0], 1e-12))
         self.on = self.on and not trial
         k = best if self.on else 0
         bucket = b.bit_length()
