@@ -46,6 +46,9 @@ class Metrics:
                                   "policy's guard, summed over pairs since each started", registry=r)
         self.guard_holds = Gauge("specserve_spec_decode_guard_holds", "Pairs where a veto of the guard (or its trial "
                                  "of plain rounds) holds now", registry=r)
+        self.guard_keepings = Gauge("specserve_spec_decode_guard_keepings", "Times the adaptive policy's guard kept "
+                                    "speculation on where it measured it clearly ahead, summed over pairs since each "
+                                    "started", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("specserve_inter_token_latency_seconds", "Time between output tokens", registry=r,
@@ -84,6 +87,7 @@ class Metrics:
         self.speculating.set(sum(x.get("speculating", 0) for x in loads))
         self.guard_vetoes.set(sum(x.get("guard_vetoes", 0) for x in loads))
         self.guard_holds.set(sum(x.get("guard_holds", 0) for x in loads))
+        self.guard_keepings.set(sum(x.get("guard_keepings", 0) for x in loads))
         return generate_latest(self.registry)
 
 

@@ -735,7 +735,7 @@ def test_one_trial_of_plain_rounds_measures_plain_decoding(b):
     policy, chosen = _guarded_run(on_rate=1300.0, off_rate=1000.0, b=b, gain=1.1, rounds=TRIAL_EVERY - 20)
     # the trial measured plain decoding: speculating measured 1.3x ahead of it, so the guard keeps
     # speculation on (and drops plain's measurement, to measure it afresh next time)
-    assert len(policy.guard.tried) == 1 and policy.guard.keepings == 1
+    assert len(policy.guard.tried) == 1 and policy.guard.keepings == 1 == policy.gauges()["guard_keepings"]
     assert policy.guard.vetoes == 0
     # plain rounds (b tokens each, not random) need at most 32 of them: the trial at one sequence
     # is no longer than at two (114 rounds until stop 34), at eight it needs 8 rounds

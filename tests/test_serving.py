@@ -186,16 +186,18 @@ def test_metrics_follow_usage(server, client):
 
 def test_the_speculation_policy_state_in_metrics(server, client):
     """/metrics shows, summed over the app's pairs (one here), whether a pair's policy drafts
-    now, its guard's vetoes so far and whether one holds now (`SpeculationPolicy.gauges`)."""
+    now, its guard's vetoes so far, whether one holds now and the times it kept speculation on
+    (`SpeculationPolicy.gauges`)."""
     client.completions.create(model=MODEL, prompt="import sys", max_tokens=8, temperature=0)
     text = httpx.get(server + "/metrics", timeout=30).text
     for name in ("specserve_spec_decode_policy_speculating", "specserve_spec_decode_guard_vetoes",
-                 "specserve_spec_decode_guard_holds"):
+                 "specserve_spec_decode_guard_holds", "specserve_spec_decode_guard_keepings"):
         assert re.search(rf"^{name} ", text, re.M), name
     assert metric(server, "specserve_spec_decode_policy_speculating") in (0.0, 1.0)
     assert metric(server, "specserve_spec_decode_guard_holds") in (0.0, 1.0)
-    vetoes = metric(server, "specserve_spec_decode_guard_vetoes")
-    assert vetoes >= 0 and vetoes == int(vetoes)
+    for name in ("specserve_spec_decode_guard_vetoes", "specserve_spec_decode_guard_keepings"):
+        count = metric(server, name)
+        assert count >= 0 and count == int(count), name
 
 
 def test_per_request_proposer_and_the_chosen_k_in_metrics(server, client):

@@ -731,11 +731,11 @@ class SpeculationPolicy:
 
     def gauges(self) -> dict[str, int]:
         """For /metrics: whether the policy drafts now (adaptive: the last round it chose for
-        drafted; fixed: always), the guard's vetoes so far, and whether a veto (or a trial of plain
-        rounds) holds now at some batch size."""
+        drafted; fixed: always), the guard's vetoes so far, whether a veto (or a trial of plain
+        rounds) holds now at some batch size, and the times the guard kept speculation on."""
         holds = any(end > self.rounds for end in list(self.guard.until.values()))
         return {"speculating": int(self.mode == "fixed" or self.last_round_k > 0),
-                "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds)}
+                "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds), "guard_keepings": self.guard.keepings}
 
     def state(self) -> dict:
         """What the policy believes now (for operators and benchmarks): times in ms."""
