@@ -774,7 +774,8 @@ def test_after_a_clear_loss_larger_batches_stay_vetoed_until_the_bucket_that_los
 def test_the_policy_gauges_follow_its_guard_and_choices():
     """`SpeculationPolicy.gauges` (what /metrics shows): fixed always drafts; adaptive drafts
     when its last chosen round did; a veto of the guard counts and holds."""
-    assert SpeculationPolicy("fixed").gauges() == {"speculating": 1, "guard_vetoes": 0, "guard_holds": 0}
+    assert SpeculationPolicy("fixed").gauges() == {"speculating": 1, "guard_vetoes": 0, "guard_holds": 0,
+                                                     "guard_keepings": 0}
     policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 0.01 for w in range(1, 6)}))
     policy.prepared.add("draft_model")
     ks = policy.choose([4], [Acceptance()], ["draft_model"])
