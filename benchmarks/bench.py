@@ -38,6 +38,7 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "serve": "load generator on the HTTP endpoint: Poisson rates, concurrency sweeps, pairs, SLOs",
                       "ngram": "the n-gram proposer and the adaptive policy at batch 1, on edit and completion prompts",
                       "peers": "ours, vLLM and HF assisted generation on the same prompts, batch 1 and 8",
+                      "draft-vocab": "the drafter's draft vocabulary against its whole head, batch 1",
                       "overhead": "batch 1: in process, distributed and served (openai client), plain and speculative",
                       "rounds": "batch 1: Propose round trip (unary, stream) and the round's outcome sent early or not"}
 
@@ -589,7 +590,7 @@ def main(argv=None) -> int:
         sub.add_parser(name, help=help_, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in OWN_PARSER_BENCHES:
-        return importlib.import_module(f"specserve.benchmarks.{argv[0]}").main(argv[1:])
+        return importlib.import_module(f"specserve.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

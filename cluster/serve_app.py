@@ -163,6 +163,7 @@ class PairReplica:
                 "reconnects": self.engine.proposer.reconnects}
         try:
             info["pid"] = ray.get(self.drafter.actor.pid.remote(), timeout=30)
+            info["draft_vocab"] = ray.get(self.drafter.actor.draft_vocab_size.remote(), timeout=30)
         except ray.exceptions.RayError:  # restarting: no process to name now
             pass
         return info

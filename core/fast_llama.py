@@ -313,9 +313,12 @@ def _fuse(modules: list) -> torch.Tensor:
 
 class FastLlama:
     def __init__(self, model, slots: int = 1, capacity: int = 256, compile: bool = False,
-                 plan_store: str | None = None, bf16_head: bool = False):
+                 plan_store: str | None = None, bf16_head: bool = False, vocab: list[int] | None = None):
         """bf16_head: a float32 model multiplies by a bfloat16 copy of its output head
-        (packed_bf16_head), eager on a CPU with bf16 GEMM in hardware; elsewhere it is ignored."""
+        (packed_bf16_head), eager on a CPU with bf16 GEMM in hardware; elsewhere it is ignored.
+        vocab: a drafter's draft vocabulary (token ids, `specserve.core.draft_vocab`): a pass asked
+        for it (`forward_ids(..., vocab=True)`) multiplies by those rows of the head only (a copy
+        kept beside the head) and gives every other token's logit -inf."""
         cfg = model.config
         self.cfg = cfg
         inner = model.model
@@ -323,6 +326,11 @@ class FastLlama:
         self.layers = inner.layers
         self.norm_w, self.eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = model.lm_head.weight
+        self.vocab_size = self.lm_head.shape[0]
+        self.vocab = self.vocab_head = None  # the draft vocabulary's ids (sorted, on the device), its head rows
+        if vocab is not None:
+            self.vocab = torch.tensor(sorted(vocab), dtype=torch.long, device=self.lm_head.device)
+            self.vocab_head = self.lm_head.detach().index_select(0, self.vocab).contiguous()
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         # a constant of the model, as a plain bool: compiled with dynamic shapes, `kv_heads != heads`
@@ -356,6 +364,8 @@ class FastLlama:
         # the output head alone packed in bfloat16 (a float32 model, asked for: see packed_bf16_head)
         self.head_packed = packed_bf16_head(self.lm_head) \
             if bf16_head and not compile and self.device.type == "cpu" else None
+        self.vocab_head_packed = packed_bf16_head(self.vocab_head) \
+            if self.head_packed is not None and self.vocab_head is not None else None
         # Eager on a CPU: bfloat16 weights prepacked for oneDNN where the CPU multiplies bf16 in hardware
         # (see packed_bf16); otherwise each weight's GEMM layout picked by measurement (GemmPlan)
         self.packed = packed_bf16(self._weights()) \
@@ -369,6 +379,8 @@ class FastLlama:
     def _weights(self) -> list[torch.Tensor]:
         """Every matrix the pass multiplies by (the head's own copy aside, where it has one)."""
         head = [] if self.head_packed is not None else [self.lm_head]
+        if self.vocab_head is not None and self.vocab_head_packed is None:
+            head.append(self.vocab_head)
         return [*head, *(w for lw in self.layer_weights for w in (lw.qkv, lw.o, lw.gate_up, lw.down))]
 
     @property
@@ -376,20 +388,23 @@ class FastLlama:
         return self.embed.device
 
     # ---------------------------------------------------------------- forward
-    def forward(self, tokens: list[list[int]], slots: list[int], last_only: bool = False) -> list[torch.Tensor]:
+    def forward(self, tokens: list[list[int]], slots: list[int], last_only: bool = False,
+                vocab: bool = False) -> list[torch.Tensor]:
         """Appends tokens[i] to slot slots[i] (ragged lengths allowed) in ONE batched pass.
         Returns, per sequence, logits [len(tokens[i]), V] (or [1, V] with last_only), float32."""
         n = [len(t) for t in tokens]
         t = max(max(n), self._min_size)
         ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens], device=self.device)
-        logits = self.forward_ids(ids, n, slots, last_only)
+        logits = self.forward_ids(ids, n, slots, last_only, vocab)
         return [logits[i, :1] if last_only else logits[i, :m] for i, m in enumerate(n)]
 
     @torch.inference_mode()
-    def forward_ids(self, ids: torch.Tensor, n: list[int], slots: list[int], last_only: bool = False) -> torch.Tensor:
+    def forward_ids(self, ids: torch.Tensor, n: list[int], slots: list[int], last_only: bool = False,
+                    vocab: bool = False) -> torch.Tensor:
         """ids [b, t] on the device (row i's first n[i] are real); appends them to slots[i].
         Returns logits [b, L, V] (float32): L = 1 (each row's last real position) with last_only,
-        else L = t (positions past n[i] are padding)."""
+        else L = t (positions past n[i] are padding). vocab: the draft vocabulary's logits only
+        (every other token's -inf; the whole head's without one)."""
         b = len(slots)
         lengths = self.cache.lengths
         starts = [lengths[s] for s in slots]
@@ -435,7 +450,7 @@ class FastLlama:
             if branched else (None, None)
         ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
         logits = self._pass(ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact,
-                            self.cache.k, self.cache.v, parent_t, fork_t)
+                            self.cache.k, self.cache.v, parent_t, fork_t, vocab and self.vocab is not None)
         for s, m in zip(slots, n):
             lengths[s] += m
         if last_only:
@@ -448,7 +463,7 @@ class FastLlama:
         return logits
 
     def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache,
-                    parent_idx=None, fork=None):
+                    parent_idx=None, fork=None, vocab: bool = False):
         """The layer stack over a padded batch; the part that is compiled."""
         b, t = ids.shape
         if fork is not None:  # [b, 1, span, 1]: key positions a branch row reads from its parent
@@ -482,13 +497,21 @@ class FastLlama:
             gu = linear(h, wgu)
             x = x + linear(F.silu(gu[..., :inter]) * gu[..., inter:], wd)
         x = x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, L, d]: the positions asked for
-        return self.head(self._rms(x, self.norm_w, self.eps))
+        return self.head(self._rms(x, self.norm_w, self.eps), vocab)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of normed hidden states x [..., d]: the output head's product."""
-        if self.head_packed is not None:
-            return _packed_product(x.to(torch.bfloat16), self.head_packed).float()
-        return self._linear_for(x[..., 0].numel())(x, self.lm_head).float()
+    def head(self, x: torch.Tensor, vocab: bool = False) -> torch.Tensor:
+        """Logits (float32, [..., V]) of normed hidden states x [..., d]: the output head's
+        product; vocab: the draft vocabulary's rows only, put in place, -inf for every other token
+        (a drafter's head is much of its pass: on the reference CPU, 8192 x 192 took 0.27 ms at one
+        row, 1024 of its rows 0.04 ms, benchmarks/diagnostics/draft_vocab_head.py)."""
+        w, packed = (self.vocab_head, self.vocab_head_packed) if vocab else (self.lm_head, self.head_packed)
+        if packed is not None:
+            logits = _packed_product(x.to(torch.bfloat16), packed).float()
+        else:
+            logits = self._linear_for(x[..., 0].numel())(x, w).float()
+        if not vocab:
+            return logits
+        return logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf")).index_copy_(-1, self.vocab, logits)
 
     def _attend_same_bits(self, q, keys, values, hidden):
         """Attention for the prepacked bfloat16 path: scores and the weighted sum as bfloat16
@@ -585,7 +608,7 @@ class FastLlama:
                 for s in slots:
                     self.cache.reset(s)
                 self.forward([[1] * w] * b, slots, last_only=last_only)
-                self.forward([[1] * w] * b, slots, last_only=last_only)
+                self.forward([[1] * w] * b, slots, last_only=last_only, vocab=self.vocab is not None)
             if branches and self.slots > 2 and b == 1:  # a branch row (the drafter's prepared outcomes)
                 self.cache.reset(0)
                 self.cache.reset(self.slots - 1)

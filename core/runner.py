@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
+from specserve.core.draft_vocab import resolve as draft_vocab_ids
 from specserve.core.fast_llama import FastLlama
 from specserve.core.fast_llama import supports as fast_llama_supports
 from specserve.core.kv_cache import PositionLayer
@@ -156,9 +157,12 @@ class ModelRunner:
     """
 
     def __init__(self, model, tokenizer=None, name: str = "model", slots: int = 1, fast: bool = True,
-                 compile: bool = False, bf16_head: bool = False):
+                 compile: bool = False, bf16_head: bool = False, vocab: list[int] | None = None):
         """bf16_head: a float32 Llama multiplies by a bfloat16 copy of its head where the CPU
-        multiplies bf16 in hardware (fast_llama.packed_bf16_head; `dtype: auto` for a drafter)."""
+        multiplies bf16 in hardware (fast_llama.packed_bf16_head; `dtype: auto` for a drafter).
+        vocab: a drafter's draft vocabulary (`specserve.core.draft_vocab`): a pass asked for it
+        (`score_batch` / `score_ids` with vocab=True) gives every other token's logit -inf (the
+        lean forward multiplies by those rows of the head only)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -167,8 +171,15 @@ class ModelRunner:
         self.bf16_head = bf16_head  # as asked (a drafter server builds its own runner of the model with it)
         # Llama checkpoints run through the lean forward (same weights, same numbers, less Python).
         self.fast = (FastLlama(model, slots=slots, compile=compile,
-                               plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"), bf16_head=bf16_head)
+                               plan_store=os.path.join(compile_cache_dir(), "gemm_plan.json"), bf16_head=bf16_head,
+                               vocab=vocab)
                      if fast and fast_llama_supports(model) else None)
+        self.vocab = vocab  # as given (a drafter server builds its own runner of the model with it)
+        # the HF path: -inf outside the draft vocabulary, added to its logits when asked
+        self._outside = None
+        if vocab is not None and self.fast is None:
+            self._outside = torch.full((self.vocab_size,), float("-inf"), device=self.device)
+            self._outside[torch.tensor(sorted(vocab), dtype=torch.long, device=self.device)] = 0.0
         if compile and self.fast is not None:
             use_compile_cache()
         self.caches: list[Cache | None] = [None] * slots  # HF path
@@ -177,13 +188,17 @@ class ModelRunner:
     @classmethod
     def from_pretrained(cls, path: str, name: str = "model", dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu", slots: int = 1, compile: bool | str = False,
-                        role: str = "target"):
+                        role: str = "target", draft_vocab: str | int = "auto"):
         """Loads a local HF folder onto `device` in `dtype` ("auto" for either: see resolve_device
         and resolve_dtype; role: "target" or "drafter": on a CPU, "auto" gives a drafter float32 layers and a bfloat16 head where
         a target gets bfloat16). compile: True, False or
-        "auto" (see resolve_compile)."""
+        "auto" (see resolve_compile). draft_vocab: a drafter's draft vocabulary, "auto" (as served:
+        its folder's, if it has one), "off" or a number of token ids
+        (`specserve.core.draft_vocab.resolve`); a target has none."""
         if role not in ("target", "drafter"):
             raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
+        if role == "target" and draft_vocab not in ("auto", "off"):
+            raise ValueError("a draft vocabulary is for a drafter only")
         _check_dir(path)
         device = resolve_device(device)
         config, packs = None, True
@@ -200,8 +215,10 @@ class ModelRunner:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
         except Exception as e:
             raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from None
+        vocab = draft_vocab_ids(path, draft_vocab, model.get_output_embeddings().weight.shape[0]) \
+            if role == "drafter" else None
         return cls(model.to(device), load_tokenizer(path), name=name, slots=slots,
-                   compile=resolve_compile(compile, device), bf16_head=bf16_head)
+                   compile=resolve_compile(compile, device), bf16_head=bf16_head, vocab=vocab)
 
     @property
     def device(self) -> torch.device:
@@ -245,8 +262,10 @@ class ModelRunner:
         return self.score_batch([(slot, tokens)], last_only=last_only)[0]
 
     @torch.inference_mode()
-    def score_batch(self, batch: list[tuple[int, list[int]]], last_only: bool = False) -> list[torch.Tensor]:
-        """[(slot, tokens), ...] -> per entry logits [len(tokens), V] (or [1, V] with last_only)."""
+    def score_batch(self, batch: list[tuple[int, list[int]]], last_only: bool = False,
+                    vocab: bool = False) -> list[torch.Tensor]:
+        """[(slot, tokens), ...] -> per entry logits [len(tokens), V] (or [1, V] with last_only).
+        vocab: -inf outside the draft vocabulary (none: every token's logit)."""
         for slot, tokens in batch:
             if not self.started[slot]:
                 raise RuntimeError(f"{self.name}: score() on slot {slot} before prefill()")
@@ -255,28 +274,35 @@ class ModelRunner:
             if self.seq_length(slot) + len(tokens) > self.max_length:
                 raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
         if self.fast is not None:
-            return self.fast.forward([list(t) for _, t in batch], [slot for slot, _ in batch], last_only=last_only)
+            return self.fast.forward([list(t) for _, t in batch], [slot for slot, _ in batch], last_only=last_only,
+                                     vocab=vocab)
         out = []
         for slot, tokens in batch:
             ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
             logits = self.model(input_ids=ids, cache=self.caches[slot], use_cache=True,
                                 logits_to_keep=1 if last_only else 0).logits
-            out.append(logits[0].float())
+            out.append(self._in_vocab(logits[0].float(), vocab))
         return out
 
     @torch.inference_mode()
-    def score_ids(self, ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def score_ids(self, ids: torch.Tensor, slots: list[int], vocab: bool = False) -> torch.Tensor:
         """Appends ids [b, t], already on the device, to slots[i] in one pass; returns the logits
-        after each row's last token, [b, V] (float32). Nothing is read back to the host."""
+        after each row's last token, [b, V] (float32). Nothing is read back to the host.
+        vocab: -inf outside the draft vocabulary (none: every token's logit)."""
         for slot in slots:
             if not self.started[slot]:
                 raise RuntimeError(f"{self.name}: score() on slot {slot} before prefill()")
             if self.seq_length(slot) + ids.shape[1] > self.max_length:
                 raise ValueError(f"{self.name}: sequence would exceed the context of {self.max_length} tokens")
         if self.fast is not None:
-            return self.fast.forward_ids(ids, [ids.shape[1]] * len(slots), slots, last_only=True)[:, 0]
-        return torch.cat([self.model(input_ids=ids[i:i + 1], cache=self.caches[slot], use_cache=True,
-                                     logits_to_keep=1).logits[:, -1].float() for i, slot in enumerate(slots)])
+            return self.fast.forward_ids(ids, [ids.shape[1]] * len(slots), slots, last_only=True, vocab=vocab)[:, 0]
+        return self._in_vocab(torch.cat([self.model(input_ids=ids[i:i + 1], cache=self.caches[slot], use_cache=True,
+                                                    logits_to_keep=1).logits[:, -1].float()
+                                         for i, slot in enumerate(slots)]), vocab)
+
+    def _in_vocab(self, logits: torch.Tensor, vocab: bool) -> torch.Tensor:
+        """The HF path's logits, with vocab every token outside the draft vocabulary's at -inf."""
+        return logits + self._outside if vocab and self._outside is not None else logits
 
     def warmup(self, widths: tuple[int, ...] = (1, 5), branches: bool = False) -> float:
         """Compiles (when compiled) and warms the forward for these widths (and branch rows)

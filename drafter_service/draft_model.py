@@ -11,6 +11,12 @@ continuation of a sequence in one of `branch_slots` spare slots, forked from the
 (`ModelRunner.fork`: it reads the shared prefix there, without a copy); `propose_seqs` drafts for
 sequences and branches in the same batched passes; `adopt` makes a branch the sequence's state
 (its few new positions are copied into the sequence's slot), `drop_branch` frees it.
+
+A draft vocabulary (the runner's `vocab`, `specserve.core.draft_vocab`): a pass whose rows are all
+greedy multiplies by those rows of the drafter's head only, so its drafts are the drafter's
+likeliest tokens among them. Greedy output never depends on the drafts (only how many are
+accepted does). A pass with a sampled row scores every token: q, and so sampled output, is exactly
+what it is without a draft vocabulary.
 """
 
 from __future__ import annotations
@@ -161,18 +167,25 @@ class DraftModelProposer(Proposer):
         at_once = [i for i, ((seq, _), t) in enumerate(zip(updates, todo))
                    if seq.params.greedy or len(t) > self.ONE_BY_ONE]
         if at_once:
-            out = self.runner.score_batch([(updates[i][0].slot, todo[i]) for i in at_once], last_only=True)
+            out = self.runner.score_batch([(updates[i][0].slot, todo[i]) for i in at_once], last_only=True,
+                                          vocab=not want_logits or self._greedy([updates[i][0] for i in at_once]))
             for i, row in zip(at_once, out):
                 logits[i] = row[-1]
         stepwise = [i for i in range(len(updates)) if logits[i] is None]
         for step in range(max((len(todo[i]) for i in stepwise), default=0)):
             live = [i for i in stepwise if step < len(todo[i])]
-            out = self.runner.score_batch([(updates[i][0].slot, [todo[i][step]]) for i in live], last_only=True)
+            out = self.runner.score_batch([(updates[i][0].slot, [todo[i][step]]) for i in live], last_only=True,
+                                          vocab=not want_logits)
             for i, row in zip(live, out):
                 logits[i] = row[-1]
         return logits
 
     ONE_BY_ONE = 17  # the most tokens a round commits (k <= 16 drafts + 1)
+
+    @staticmethod
+    def _greedy(seqs: list[_Seq]) -> bool:
+        """Whether a pass of these rows may use the draft vocabulary: every row greedy."""
+        return all(seq.params.greedy for seq in seqs)
 
     def _draft(self, seqs: list[_Seq], logits: list[torch.Tensor], ks: list[int],
                min_confidence: list[float] | None = None, stop=None) -> list[Draft]:
@@ -240,7 +253,8 @@ class DraftModelProposer(Proposer):
             if feed:
                 fed = [live[j] for j in feed]
                 ids = xs if len(feed) == len(live) else xs.index_select(0, torch.tensor(feed, device=device))
-                out = self.runner.score_ids(ids[:, None], [seqs[i].slot for i in fed])
+                out = self.runner.score_ids(ids[:, None], [seqs[i].slot for i in fed],
+                                            vocab=self._greedy([seqs[i] for i in fed]))
                 rows_logits = out if fed == list(range(len(seqs))) else \
                     rows_logits.index_copy(0, torch.tensor(fed, device=device), out)
         return qs, steps
@@ -259,7 +273,8 @@ class DraftModelProposer(Proposer):
             keep = len(seq.tokens) + len(d) - 1  # committed + d_1 .. d_{n-1}, all in the cache
             self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
             seq.cached = seq.cached[:keep] + [d[-1]]
-        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True)
+        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True,
+                                      vocab=self._greedy(seqs))
         logits = torch.cat(out)
         best = torch.softmax(logits, -1).topk(min(top, logits.shape[-1]), -1)
         top = best.indices.shape[-1]

@@ -79,16 +79,17 @@ class RequestError(Exception):
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, model, pipeline: bool | str = True, max_sequences: int = 64,
                  seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32", compile: bool = False,
-                 fanout: int = 1, bf16_head: bool = False):
+                 fanout: int = 1, bf16_head: bool = False, vocab: list[int] | None = None):
         """fanout: with pipelining, outcomes prepared per sequence and round (see pipeline.py);
         (fanout - 1) x BRANCH_SEQUENCES extra drafter slots hold the branches. bf16_head: a float32
-        model multiplies by a bfloat16 head (ModelRunner; pass the loading runner's `bf16_head`)."""
+        model multiplies by a bfloat16 head; vocab: the draft vocabulary (ModelRunner; pass the
+        loading runner's `bf16_head` and `vocab`)."""
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.q_dtype = WIRE_DTYPES[q_dtype]
         self.fanout = fanout if pipeline else 1
         branch_slots = (self.fanout - 1) * min(max_sequences, BRANCH_SEQUENCES)
         runner = ModelRunner(model, name="drafter", slots=max_sequences + branch_slots, compile=compile,
-                             bf16_head=bf16_head)
+                             bf16_head=bf16_head, vocab=vocab)
         runner.warmup(widths=(1,), branches=branch_slots > 0)  # compiles now (when compiled), not on the first request
         self.inner = DraftModelProposer(runner, q_dtype=self.q_dtype, branch_slots=branch_slots)
         # pipeline: False, True (the default policy) or a policy name from specserve.config.PIPELINE_POLICIES
@@ -286,12 +287,12 @@ def _to_host(probs: list) -> list:
 
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
           max_workers: int = 32, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
-          compile: bool = False, fanout: int = 1, bf16_head: bool = False):
+          compile: bool = False, fanout: int = 1, bf16_head: bool = False, vocab: list[int] | None = None):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
     address); returns (server, bound_port, servicer). max_workers: RPC threads; each open
     ProposeStream holds one for as long as its verifier is connected."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
-                               q_dtype=q_dtype, compile=compile, fanout=fanout, bf16_head=bf16_head)
+                               q_dtype=q_dtype, compile=compile, fanout=fanout, bf16_head=bf16_head, vocab=vocab)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

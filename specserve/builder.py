@@ -1,6 +1,6 @@
 """The one way to build a speculative pair from a `SpecServeConfig`. Every path goes through
 here, so every path gets the same checks (model folders load, drafter and target share one
-tokenizer, the drafter's vocabulary matches over the wire):
+tokenizer, the drafter's vocabulary matches over the wire, its draft vocabulary is usable):
 
 Every engine built here has the n-gram proposer too (the default without a drafter, the
 fallback while the drafter is down) and the config's speculation policy.
@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from specserve.config import SpecServeConfig
+from specserve.core.draft_vocab import resolve as draft_vocab_ids
 from specserve.core.runner import ModelRunner, load_tokenizer, same_tokenizer
 
 
@@ -30,6 +31,8 @@ def check_pair(cfg: SpecServeConfig):
     if cfg.drafter is not None and not same_tokenizer(tokenizer, load_tokenizer(cfg.drafter)):
         raise ValueError(f"the drafter's tokenizer ({cfg.drafter}) differs from the target's ({cfg.target}); "
                          "speculative decoding needs one shared vocabulary")
+    if cfg.drafter is not None:  # its draft vocabulary (file and setting) before any actor starts
+        draft_vocab_ids(cfg.drafter, cfg.draft_vocab, len(tokenizer))
     return tokenizer
 
 
@@ -51,7 +54,8 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", role="drafter", slots=cfg.max_num_seqs,
-                                              device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
+                                              device=cfg.device, dtype=cfg.dtype, compile=cfg.compile,
+                                              draft_vocab=cfg.draft_vocab)
         drafter.warmup(widths=(1,))
         proposer = DraftModelProposer(drafter)
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
@@ -79,7 +83,8 @@ class DrafterHandle:
         self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
-            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile, fanout=cfg.fanout)
+            device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile, fanout=cfg.fanout,
+            draft_vocab=cfg.draft_vocab)
 
     def address(self) -> str:
         import ray

@@ -49,6 +49,18 @@ def resolve_pair(target: str | None, drafter: str | None, no_speculation: bool) 
     return target, drafter
 
 
+def _draft_vocab(value: str):
+    if value in ("auto", "off"):
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be auto, off or an integer >= 1, got {value!r}")
+    return n
+
+
 def add_device_args(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=default,
                    help="where the models run (auto: a GPU when one is visible)")
@@ -59,6 +71,9 @@ def add_device_args(p: argparse.ArgumentParser, default) -> None:
                    help="torch.compile the forward (default: auto, i.e. on a GPU only; see docs/benchmarks/runtime.md)")
     c.add_argument("--no-compile", dest="compile", action="store_const", const=False,
                    help="run the forward eagerly")
+    p.add_argument("--draft-vocab", dest="draft_vocab", type=_draft_vocab, default=default,
+                   help="the drafter's greedy drafts from its N most frequent tokens: auto (its folder's "
+                        "draft_vocab.json, if any; the default), off, or N")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -99,13 +114,14 @@ def cmd_generate(args) -> int:
             result, tokenizer = generate_distributed(target, drafter, args.prompt, args.max_tokens, sampling,
                                                      args.k, pipeline=not args.no_pipeline, device=args.device,
                                                      dtype=args.dtype, compile=args.compile,
-                                                     speculation=args.speculation)
+                                                     speculation=args.speculation, draft_vocab=args.draft_vocab)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
     else:
         try:
             cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1, device=args.device,
-                                  dtype=args.dtype, compile=args.compile, speculation=args.speculation)
+                                  dtype=args.dtype, compile=args.compile, speculation=args.speculation,
+                                  draft_vocab=args.draft_vocab)
             tokenizer = check_pair(cfg)
             engine = build_engine(cfg)
         except (ModelLoadError, ValueError) as e:
@@ -159,7 +175,7 @@ def cmd_serve(args) -> int:
 
     app_args = load_app_args(args.config)
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
-                "colocate"):
+                "colocate", "draft_vocab"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
@@ -229,6 +245,7 @@ def cmd_make_tiny_pair(args) -> int:
 PASSTHROUGH = {
     "train-demo": ("specserve.training.demo_pair", "train the embedded demo pair from the stdlib"),
     "distill": ("specserve.training.distill", "distill a drafter for a target"),
+    "draft-vocab": ("specserve.training.draft_vocab", "rank a drafter's tokens by frequency (its draft vocabulary)"),
     "eval-demo": ("specserve.training.eval_demo", "measure the demo pair on held-out code"),
     "bench": ("specserve.benchmarks.bench", "run a benchmark and write its results"),
 }

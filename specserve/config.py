@@ -43,6 +43,7 @@ class SpecServeConfig:
     dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), the drafter there float32 with a bfloat16 head; else float32), float32, bfloat16, float16
     q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
     compile: bool | str = "auto"  # torch.compile the forward: auto (on a GPU, where it pays), true, false
+    draft_vocab: str | int = "auto"  # the drafter's greedy drafts from its N most frequent tokens (specserve.core.draft_vocab): auto (its folder's draft_vocab.json, if any), off, or N
     stream_interval_ms: float = STREAM_INTERVAL_MS  # a streamed request's messages from its pair: at most one per this long
 
     def __post_init__(self):
@@ -85,6 +86,11 @@ class SpecServeConfig:
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")
         need(isinstance(self.compile, bool) or self.compile == "auto", "compile must be true, false or auto")
+        from specserve.core.draft_vocab import DraftVocabError, check_setting
+        try:
+            check_setting(self.draft_vocab)
+        except DraftVocabError as e:
+            need(False, str(e))
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
              "api_key must be null or a non-empty string")
 

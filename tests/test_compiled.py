@@ -44,7 +44,9 @@ def compiled_pair(tmp_path_factory):
         # compiling a second architecture costs 45 s of the 2 cores, and tests nothing the first does not
         drafter = tiny_model("llama", V, seed=22, hidden=48, layers=2)
         t_runner = ModelRunner(target, slots=4, compile=True)
-        d_runner = ModelRunner(drafter, slots=4, compile=True)
+        # with a draft vocabulary (every other token): greedy passes run the graph with its head
+        # (compiled by the warm-up too), sampled passes the whole head's
+        d_runner = ModelRunner(drafter, slots=4, compile=True, vocab=list(range(0, V, 2)))
         assert t_runner.compiled and d_runner.compiled
         t_runner.warmup((1, 5))
         d_runner.warmup((1,))
@@ -71,6 +73,7 @@ def test_the_compiled_pass_is_one_graph(compiled_pair):
 
 
 def test_compiled_greedy_equals_plain_and_hf_generate(compiled_pair):
+    """Batched, with the drafter's draft vocabulary (its greedy drafts: even token ids only)."""
     target, t_runner, d_runner = compiled_pair[:3]
     compiled_graphs = graphs()
     assert compiled_graphs >= 1  # the warm-up compiled
@@ -126,13 +129,14 @@ def test_a_restart_reuses_the_compiled_code(compiled_pair, monkeypatch):
     the fixture's cold warm-up made in that cache, and generates no code."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    target, *_, cache, (misses, hits) = compiled_pair
+    target, _, d_runner, _, cache, (misses, hits) = compiled_pair
     assert misses > 0  # the fixture's cache was cold: code generated
     monkeypatch.setenv("SPECSERVE_COMPILE_CACHE", str(cache))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # restored (or unset) after the test
     torch._dynamo.reset()
     counters.clear()
     ModelRunner(target, slots=4, compile=True).warmup((1, 5))
+    ModelRunner(d_runner.model, slots=4, compile=True, vocab=d_runner.vocab).warmup((1,))  # its vocabulary's graph
     assert counters["inductor"]["fxgraph_cache_miss"] == 0  # again: all of it from the cache
     assert counters["inductor"]["fxgraph_cache_hit"] >= misses  # every graph the cold warm-up generated
     assert any(cache.iterdir())

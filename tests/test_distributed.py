@@ -75,6 +75,27 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
             pair.shutdown()
 
 
+def test_greedy_exact_through_ray_and_grpc_with_a_draft_vocabulary(ray_session, tmp_path):
+    """The drafter actor loads its folder's draft vocabulary (`draft_vocab: auto`) or the number
+    asked for, and the pipelined pair's greedy output is still plain decoding's."""
+    from specserve.training.draft_vocab import write
+    target, drafter = make_tiny_pair(str(tmp_path), seed=21)
+    write(drafter, list(range(3, 300, 2)), 40, "odd token ids, for a test")
+    for setting, size in (("auto", 40), (90, 90)):
+        pair = SpeculativePair(target, drafter, pipeline=True, cpus_per_actor=1, speculation="fixed",
+                               draft_vocab=setting)
+        try:
+            assert ray.get(pair.drafter.actor.draft_vocab_size.remote()) == size
+            rng = random.Random(size)
+            for _ in range(3):
+                prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
+                n, k = rng.randint(8, 40), rng.randint(1, 5)
+                assert pair.generate(prompt, n, SamplingParams(), k).token_ids == \
+                    plain_greedy(target, prompt, n).token_ids
+        finally:
+            pair.shutdown()
+
+
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
     """Target and drafter over a vocabulary of 8, for a statistical check: the drafter a noisy copy
