@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only print held-out loss/perplexity of these model folders and exit")
     p.add_argument("--split", default=None, help="split.json for --heldout-loss (default <out>/split.json)")
     p.add_argument("--eval-tokens", type=int, default=200_000)
+    p.add_argument("--draft-vocab", type=int, default=1024,
+                   help="the drafter's draft vocabulary: its N most frequent training tokens (draft_vocab.json)")
     return p
 
 
@@ -334,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("[drafter] " + " ".join(cmd))
         subprocess.run(cmd, check=True)
         _check_saved(str(out / "drafter"), tokenizer)
+        # 5. its draft vocabulary: the training files' tokens by frequency (specserve.core.draft_vocab)
+        from specserve.training.draft_vocab import rank_tokens, read_texts, write
+        path = write(str(out / "drafter"), rank_tokens(tokenizer, read_texts(files)), args.draft_vocab,
+                     f"{len(files)} training files of {split_path.name}")
+        log(f"[drafter] draft vocabulary: {path}, size {args.draft_vocab}")
 
     for d in ("target", "drafter"):
         if (out / d).exists():
