@@ -88,6 +88,7 @@ APP_ARGS = {
     "device": (str,),
     "dtype": (str,),
     "q_dtype": (str,),
+    "draft_vocab": (str, int),
     "placement_strategy": (str,),
     "request_timeout_s": (int, float, type(None)),
     "drafter_seq_ttl_s": (int, float),
