@@ -3,7 +3,8 @@
 1. loads the demo pair on `cuda` in float32 and in bfloat16, eagerly, and bfloat16 compiled
    (CUDA graphs, its compile time in the load column), and checks that greedy speculative
    output equals plain decoding (parting only at a tie within rounding, as in tests/test_device.py),
-   with in-process tokens/s, load time and peak GPU memory;
+   with in-process tokens/s, load time and peak GPU memory; bfloat16 eager once more with the
+   drafter's whole head (`draft_vocab: off`), against the draft vocabulary every other row uses;
 2. runs the pair's two actors on that one GPU (`gpus_per_actor: 0.5`) and measures plain,
    speculative (sequential) and pipelined tokens/s through Ray + gRPC, and a colocated pair
    (`colocate: true`: one actor, the drafter in its process, on the whole GPU);
@@ -44,14 +45,16 @@ def _tok_per_s(generate, prompts, max_tokens, k) -> float:
     return statistics.median(rates)
 
 
-def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compile: bool = False) -> dict:
+def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compile: bool = False,
+               draft_vocab: str = "auto") -> dict:
     from specserve.builder import build_engine
     from specserve.core.sampling import SamplingParams
     from specserve.verifier.engine import SpeculativeEngine
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=1, compile=compile))
+    spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=1, compile=compile,
+                                        draft_vocab=draft_vocab))
     load_s = time.perf_counter() - t0
     plain = SpeculativeEngine(spec.target, None)
     eps = torch.finfo(getattr(torch, dtype)).eps
@@ -73,6 +76,7 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compil
     _tok_per_s(plain.generate, warm, 8, 0), _tok_per_s(spec.generate, warm, 8, k)  # warm-up
     row = {"device": str(spec.target.device), "dtype": str(spec.target.model.dtype), "load_s": load_s,
            "compiled": spec.target.compiled,
+           "draft_vocab": len(spec.proposer.runner.vocab) if spec.proposer.runner.vocab is not None else "off",
            "greedy_equal": equal, "greedy_parted_at_a_tie": tie_parted, "prompts": len(prompts),
            "plain_tok_s": _tok_per_s(plain.generate, prompts, max_tokens, 0),
            "speculative_tok_s": _tok_per_s(spec.generate, prompts, max_tokens, k)}
@@ -151,10 +155,11 @@ def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "", f"{report['machine']}; torch {report['torch']}; demo pair, k = "
              f"{report['k']}, {report['prompts']} held-out prompts, {report['max_tokens']} new tokens, greedy, "
              "medians over prompts.", "",
-             "| device / dtype | load (+ compile) s | greedy spec == plain | plain tok/s | speculative tok/s | speedup | peak MiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| device / dtype | draft vocabulary | load (+ compile) s | greedy spec == plain | plain tok/s | speculative tok/s | speedup | peak MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
-        lines.append(f"| {r['device']} / {r['dtype']}{' compiled' if r.get('compiled') else ''} | {r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
+        lines.append(f"| {r['device']} / {r['dtype']}{' compiled' if r.get('compiled') else ''} | {r['draft_vocab']} | "
+                     f"{r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
                      f"{' (+' + str(r['greedy_parted_at_a_tie']) + ' at a tie)' if r['greedy_parted_at_a_tie'] else ''}"
                      f" | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f} | "
                      f"{r.get('peak_gpu_memory_mib', float('nan')):.0f} |")
@@ -216,7 +221,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     report = {"dry_run": args.dry_run, "torch": torch.__version__, "k": args.k, "prompts": n, "max_tokens": max_tokens,
               "machine": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)",
-              "in_process": [in_process(device, dt, prompts, max_tokens, args.k) for dt in dtypes],
+              "in_process": [in_process(device, dt, prompts, max_tokens, args.k) for dt in dtypes]
+              + [in_process(device, "bfloat16", prompts, max_tokens, args.k, draft_vocab="off")],
               "distributed_dtype": "bfloat16" if device == "cuda" else "float32"}
     if (args.compile_row or not args.dry_run) and not args.no_compile_row:
         report["in_process"].append(in_process(device, "bfloat16", prompts, max_tokens, args.k, compile=True))

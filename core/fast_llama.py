@@ -600,20 +600,23 @@ class FastLlama:
         return seconds
 
     def _warm(self, widths: tuple[int, ...], branches: bool = False) -> None:
+        vocabs = (False, True) if self.vocab is not None else (False,)  # a draft vocabulary's passes too
         shapes = [(b, w, last) for b in (1, min(2, self.slots)) for w in widths for last in (True, False)]
         for i, (b, w, last_only) in enumerate(shapes):
             for slots in ([*range(b)], [*range(b)][::-1] if b > 1 else [self.slots - 1]):
                 if self.compiled:
                     log.info("compiling the forward: shape %d of %d (batch %d, width %d)", i + 1, len(shapes), b, w)
-                for s in slots:
-                    self.cache.reset(s)
-                self.forward([[1] * w] * b, slots, last_only=last_only)
-                self.forward([[1] * w] * b, slots, last_only=last_only, vocab=self.vocab is not None)
+                for vocab in vocabs:
+                    for s in slots:
+                        self.cache.reset(s)
+                    self.forward([[1] * w] * b, slots, last_only=last_only, vocab=vocab)
+                    self.forward([[1] * w] * b, slots, last_only=last_only, vocab=vocab)
             if branches and self.slots > 2 and b == 1:  # a branch row (the drafter's prepared outcomes)
-                self.cache.reset(0)
-                self.cache.reset(self.slots - 1)
-                self.forward([[1] * w], [0], last_only=last_only)
-                self.cache.fork(self.slots - 1, 0, 1)
-                self.forward([[1] * w] * 2, [0, self.slots - 1], last_only=last_only)
+                for vocab in vocabs:
+                    self.cache.reset(0)
+                    self.cache.reset(self.slots - 1)
+                    self.forward([[1] * w], [0], last_only=last_only, vocab=vocab)
+                    self.cache.fork(self.slots - 1, 0, 1)
+                    self.forward([[1] * w] * 2, [0, self.slots - 1], last_only=last_only, vocab=vocab)
         for s in range(self.slots):
             self.cache.reset(s)

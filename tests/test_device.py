@@ -150,7 +150,8 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     out = str(tmp_path / "gpu")
     assert gpu.main(["--dry-run", "--prompts", "1", "--max-tokens", "32", "--out", out]) == 0
     report = json.loads(open(out + ".json").read())
-    assert [r["dtype"] for r in report["in_process"]] == ["torch.float32", "torch.bfloat16"]
+    assert [(r["dtype"], r["draft_vocab"]) for r in report["in_process"]] == \
+        [("torch.float32", 1024), ("torch.bfloat16", 1024), ("torch.bfloat16", "off")]  # the demo drafter's, or none
     assert report["in_process"][0]["greedy_equal"] == 1
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
     split = {m: r["probe"] for m, r in report["distributed"]["round_split"].items()}  # where the rounds went
