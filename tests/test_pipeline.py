@@ -49,8 +49,10 @@ def test_pipelined_output_equals_on_demand_drafting(policy, fanout):
     assert (branch_hits > 0) == (fanout > 1 or policy == "most-likely")
 
 
-@pytest.mark.parametrize("temperature,bf16_head", [(0.0, False), (0.9, False), (0.9, True)])
-def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature, bf16_head):
+@pytest.mark.parametrize("temperature,bf16_head,vocab", [(0.0, False, None), (0.9, False, None), (0.9, True, None),
+                                                         (0.0, True, list(range(0, V, 2))),
+                                                         (0.9, True, list(range(0, V, 2)))])
+def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature, bf16_head, vocab):
     """For each outcome the drafter prepared on a branch (or its own slot), answering with that
     outcome returns what a drafter that prepared nothing drafts: the same tokens, and q equal up
     to float rounding (the prepared outcomes are drafted as one batch of 5 rows, on demand as one
@@ -58,15 +60,16 @@ def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature, bf16_h
     token was drawn from, so the sampled distribution is exact either way). bf16_head: the
     float32 drafter multiplies by a bfloat16 head (`dtype: auto` for a drafter where the CPU
     multiplies bf16 in hardware): a float32 rounding step in the head's input can move its
-    bfloat16 rounding, so q is equal within 1e-3 there."""
+    bfloat16 rounding, so q is equal within 1e-3 there. vocab: a draft vocabulary (even token
+    ids; its greedy passes score those only, its sampled ones every token), on both drafters."""
     from specserve.core.fast_llama import cpu_has_bf16_gemm
     if bf16_head and not cpu_has_bf16_gemm():
         pytest.skip("this CPU has no bf16 GEMM in hardware: a bfloat16 head is not packed")
     drafter = tiny_model("llama", V, seed=5, layers=1)
     params = SamplingParams(temperature=temperature, seed=3) if temperature else SamplingParams(seed=3)
     first = ProposeItem("s", [], 4)
-    probe = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5, bf16_head=bf16_head), branch_slots=4),
-                              fanout=5)
+    probe = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5, bf16_head=bf16_head, vocab=vocab),
+                                                 branch_slots=4), fanout=5)
     assert (probe.inner.runner.fast.head_packed is not None) == bf16_head
     probe.start("s", [1, 2, 3, 4], params)
     probe.propose([first])
@@ -74,9 +77,9 @@ def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature, bf16_h
     outcomes = [p.assumed for p in probe.ready["s"]]
     assert len(outcomes) == 5 and len({tuple(o) for o in outcomes}) == 5
     for outcome in outcomes:
-        pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5, bf16_head=bf16_head),
+        pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=5, bf16_head=bf16_head, vocab=vocab),
                                                          branch_slots=4), fanout=5)
-        on_demand = DraftModelProposer(ModelRunner(drafter, bf16_head=bf16_head))
+        on_demand = DraftModelProposer(ModelRunner(drafter, bf16_head=bf16_head, vocab=vocab))
         for p in (pipelined, on_demand):
             p.start("s", [1, 2, 3, 4], params)
             p.propose([first])
@@ -84,6 +87,8 @@ def test_every_prepared_outcome_equals_drafting_it_on_demand(temperature, bf16_h
         got = pipelined.propose([ProposeItem("s", outcome, 4)])[0]
         want = on_demand.propose([ProposeItem("s", outcome, 4)])[0]
         assert got.pipeline_hit and got.prepared == 5 and got.tokens == want.tokens
+        if vocab is not None and temperature == 0:  # greedy drafts from the vocabulary only
+            assert set(got.tokens) <= set(vocab)
         assert (got.probs is None) == (want.probs is None) == (temperature == 0)
         if want.probs is not None:
             assert torch.allclose(got.probs, want.probs, rtol=0, atol=1e-3 if bf16_head else 1e-6)
