@@ -38,7 +38,7 @@ def head_products(drafter_path: str, sizes: list[int], dtype: str, reps: int = 3
         runner = ModelRunner.from_pretrained(drafter_path, role="drafter", dtype=dtype,
                                              draft_vocab=n if n else "off")
         fast = runner.fast
-        x = torch.randn(1, 1, fast.lm_head.shape[1], dtype=fast.lm_head.dtype)
+        x = torch.randn(1, 1, fast.lm_head.shape[1], dtype=fast.lm_head.dtype, device=fast.device)
         with torch.inference_mode():
             for _ in range(50):
                 fast.head(x, vocab=bool(n))
@@ -139,7 +139,6 @@ def bench(args) -> dict:
 
 def markdown(report: dict, command: str) -> str:
     size, vocab = report["size"], report["vocab_size"]
-    name = lambda n: f"{n}" if n else f"all {vocab}"  # noqa: E731
     lines = [f"Command: `{command}`", "",
              f"Models: `{report['models']}`, {dtypes_line(report)}The draft vocabulary: the {size} most frequent "
              f"of the drafter's {vocab} tokens ({report['source']}). k = {report['k']} (fixed), "
@@ -150,7 +149,7 @@ def markdown(report: dict, command: str) -> str:
              "| vocabulary | head µs | pass ms, 1 sequence | pass ms, 4 sequences |", "|---|---|---|---|"]
     for n, us in report["head_us"].items():
         n = int(n)
-        lines.append(f"| {name(n)} | {us:.1f} | {report['drafter_pass_cpu_ms'][f'1x{n}']:.3f} | "
+        lines.append(f"| {n or f'all {vocab}'} | {us:.1f} | {report['drafter_pass_cpu_ms'][f'1x{n}']:.3f} | "
                      f"{report['drafter_pass_cpu_ms'][f'4x{n}']:.3f} |")
     lines += ["", f"End to end, batch 1, medians of {report['repeats']} runs, the rows' runs interleaved "
               f"(`off`: the whole head; `vocab`: the draft vocabulary of {size}):", "",

@@ -43,7 +43,8 @@ def check_setting(setting) -> None:
 
 
 def read(model_dir: str) -> dict | None:
-    """The folder's draft vocabulary file, checked, or None when it has none."""
+    """The folder's draft vocabulary file, checked (its "size" filled in when it has none: every
+    ranked id), or None when it has none."""
     path = os.path.join(model_dir, FILE)
     if not os.path.exists(path):
         return None
@@ -61,7 +62,7 @@ def read(model_dir: str) -> dict | None:
     size = data.get("size", len(ranked))
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise DraftVocabError(f"{path}: size must be an integer >= 1, got {size!r}")
-    return data
+    return {**data, "size": size}
 
 
 def resolve(model_dir: str, setting, vocab_size: int) -> list[int] | None:
@@ -80,6 +81,5 @@ def resolve(model_dir: str, setting, vocab_size: int) -> list[int] | None:
     if max(ranked) >= vocab_size:
         raise DraftVocabError(f"{os.path.join(model_dir, FILE)}: token ids must be below the drafter's "
                               f"vocabulary of {vocab_size}")
-    n = data.get("size", len(ranked)) if setting == "auto" else setting
-    ids = ranked[:n]
+    ids = ranked[:data["size"] if setting == "auto" else setting]
     return None if len(ids) >= vocab_size else ids

@@ -50,15 +50,13 @@ def resolve_pair(target: str | None, drafter: str | None, no_speculation: bool) 
 
 
 def _draft_vocab(value: str):
-    if value in ("auto", "off"):
-        return value
+    from specserve.core.draft_vocab import DraftVocabError, check_setting
+    setting = int(value) if value.lstrip("-").isdigit() else value
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be auto, off or an integer >= 1, got {value!r}")
-    return n
+        check_setting(setting)
+    except DraftVocabError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return setting
 
 
 def add_device_args(p: argparse.ArgumentParser, default) -> None:

@@ -10,6 +10,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from specserve.core.draft_vocab import DraftVocabError, check_setting
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
 PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
@@ -86,7 +88,6 @@ class SpecServeConfig:
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")
         need(isinstance(self.compile, bool) or self.compile == "auto", "compile must be true, false or auto")
-        from specserve.core.draft_vocab import DraftVocabError, check_setting
         try:
             check_setting(self.draft_vocab)
         except DraftVocabError as e:
