@@ -244,9 +244,10 @@ class ModelRunner:
         """Start a sequence in `slot`: a fresh cache holding `prompt_ids`. Returns the last logits."""
         return self.prefill_batch([(slot, prompt_ids)])[0]
 
-    def prefill_batch(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor | None]:
+    def prefill_batch(self, batch: list[tuple[int, list[int]]], vocab: bool = False) -> list[torch.Tensor | None]:
         """Start several sequences, [(slot, prompt_ids), ...], in ONE batched pass. Returns each
-        one's last logits (None for an empty prompt)."""
+        one's last logits (None for an empty prompt); vocab: as in `score_batch` (a caller that
+        does not read the logits passes True, so a drafter's head multiplies its vocabulary only)."""
         for slot, _ in batch:
             self.started[slot] = True
             if self.fast is not None:
@@ -254,7 +255,7 @@ class ModelRunner:
             else:
                 self.caches[slot] = Cache(layer_class_to_replicate=PositionLayer)
         todo = [(slot, ids) for slot, ids in batch if ids]
-        out = iter(self.score_batch(todo, last_only=True) if todo else [])
+        out = iter(self.score_batch(todo, last_only=True, vocab=vocab) if todo else [])
         return [next(out)[-1] if ids else None for _, ids in batch]
 
     def score(self, tokens: list[int], slot: int = 0, last_only: bool = False) -> torch.Tensor:

@@ -86,7 +86,7 @@ class DraftModelProposer(Proposer):
             slot = min(self.free)  # the lowest free slot (see fast_llama: slots 0..b-1 are a view)
             self.free.remove(slot)
             seqs.append(_Seq(slot, params, list(prompt_ids), list(prompt_ids[:-1])))
-        self.runner.prefill_batch([(seq.slot, seq.cached) for seq in seqs])
+        self.runner.prefill_batch([(seq.slot, seq.cached) for seq in seqs], vocab=True)  # its logits are not read
         self.seqs.update(zip(ids, seqs))
 
     def release(self, seq_id: str) -> None:

@@ -102,9 +102,12 @@ class DrafterHandle:
 
 
 def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None) -> DrafterHandle:
-    """Starts the drafter actor (model + gRPC server) for cfg and waits until it serves."""
+    """Checks the pair (`check_pair`: a folder that does not load, another tokenizer or a bad draft
+    vocabulary is a clear error here, before any actor starts), then starts the drafter actor
+    (model + gRPC server) for cfg and waits until it serves."""
     import ray
 
+    check_pair(cfg)
     handle = DrafterHandle(cfg, scheduling_strategy)
     try:
         handle.address()

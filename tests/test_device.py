@@ -160,7 +160,8 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert "Where a round goes" in open(out + ".md").read()
     sweep = report["fanout_sweep"]
     assert [r["fanout"] for r in sweep] == [1, 2] and all(r["tok_s"] > 0 and 0 <= r["pipeline_hit_rate"] <= 1 for r in sweep)
-    assert sum(r["pipeline_hit_rate"] for r in sweep) > 0  # pipelined rounds did find prepared drafts
+    # (whether a prepared draft is found in time depends on the machine's load: with one prompt of 32
+    # tokens a loaded CI machine found none once; hits are asserted in test_pipeline and test_distributed)
     assert gpu.main(["--dry-run", "--fanouts", "1,17", "--out", out]) == 2  # a bad fan-out: refused at once
 
 

@@ -184,6 +184,20 @@ def test_the_cli_refuses_a_bad_draft_vocab_with_a_message(pair_dirs):
         assert "Traceback" not in rc.stderr
 
 
+def test_a_pair_refuses_a_bad_draft_vocab_before_its_drafter_actor_starts(ray_session, pair_dirs):
+    """`serve run` and the distributed CLI start the drafter actor through `start_drafter`: a bad
+    setting is the same ValueError as in process, raised before any actor (not an actor that died
+    loading its model), and the pair leaves nothing behind."""
+    from ray._private.state import actors  # from the GCS (ray.util.state needs the dashboard)
+
+    from specserve.cluster.pair import SpeculativePair
+    target, drafter = pair_dirs
+    before = set(actors())
+    with pytest.raises(ValueError, match="has no draft_vocab.json"):
+        SpeculativePair(target, drafter, pipeline=False, draft_vocab=12, cpus_per_actor=1)
+    assert set(actors()) == before
+
+
 def test_the_demo_drafter_ships_its_draft_vocabulary():
     """The demo drafter's file: every ranked id a token of its vocabulary, and `auto` uses it."""
     from specserve.config import DEFAULT_MODEL_DIR
