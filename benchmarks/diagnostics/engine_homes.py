@@ -13,8 +13,8 @@ more CPU time than in this process (plain: 8.81 against 7.49 ms a round; specula
 against 9.14, drafting 8.23 against 7.36), with no wait for the CPU or the GIL (wall and CPU
 alike). A scratch check just after, the target's passes back to back (no engine) in this process,
 a Ray actor and two child processes (OMP_NUM_THREADS=1 set or not, the one environment variable of
-a Ray worker that could matter), alternating, had the actor fastest (7.7 ms against 8.6-9.3 of CPU
-a pass): the machine's drift, not the process, so this run's gap is not a finding.
+a Ray worker that could matter), alternating, had the actor as fast as the fastest (medians 7.7 ms of CPU a pass, against 7.7-9.3 for
+the others): the machine's drift, not the process, so this run's gap is not a finding.
 
     .venv/bin/python benchmarks/diagnostics/engine_homes.py 6 5    # prompts, repeats
 """
