@@ -388,6 +388,7 @@ class FastLlama:
         return self.embed.device
 
     # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
     def forward(self, tokens: list[list[int]], slots: list[int], last_only: bool = False,
                 vocab: bool = False) -> list[torch.Tensor]:
         """Appends tokens[i] to slot slots[i] (ragged lengths allowed) in ONE batched pass.
@@ -405,6 +406,8 @@ class FastLlama:
         Returns logits [b, L, V] (float32): L = 1 (each row's last real position) with last_only,
         else L = t (positions past n[i] are padding). vocab: the draft vocabulary's logits only
         (every other token's -inf; the whole head's without one)."""
+        if not ids.is_inference():  # one kind of input: compiled, a graph guards on it (see _warm)
+            ids = ids.clone()
         b = len(slots)
         lengths = self.cache.lengths
         starts = [lengths[s] for s in slots]
@@ -600,6 +603,10 @@ class FastLlama:
         return seconds
 
     def _warm(self, widths: tuple[int, ...], branches: bool = False) -> None:
+        # Every pass's ids are inference tensors (forward_ids makes them so), as in serving: a
+        # compiled graph guards on its inputs' dispatch keys, and warming with ordinary tensors
+        # compiled graphs that serving never ran (stop 47: 3 graphs for the tests' tiny target
+        # where 2 serve, about 20 s each on the 2-core CPU)
         vocabs = (False, True) if self.vocab is not None else (False,)  # a draft vocabulary's passes too
         shapes = [(b, w, last) for b in (1, min(2, self.slots)) for w in widths for last in (True, False)]
         for i, (b, w, last_only) in enumerate(shapes):
