@@ -197,3 +197,26 @@ def test_the_greedy_shortcut_fails_a_row_with_nan_or_inf_logits_only():
     assert accept_greedy([[]], [ok[:1]]) == [(0, 1)]  # plain decoding: the argmax
     with pytest.raises(ValueError):
         accept_greedy([[1, 2]], [ok])
+
+
+def test_a_seeded_row_draws_the_same_alone_and_beside_longer_drafts():
+    """What a sampled request draws depends on its own drafts only: its outcome, and its generator's
+    state after the round, are the same alone and in a batch with a longer draft (until stop 47 every
+    row drew as many uniforms as the batch's longest draft, so a seeded request's text changed with
+    the requests beside it)."""
+    V, rng = 16, np.random.default_rng(5)
+
+    def dist(rows):
+        return torch.softmax(torch.tensor(rng.normal(size=(rows, V)), dtype=torch.float32), -1)
+
+    for seed in range(40):
+        q, p = dist(2), dist(3)
+        drafts = [int(torch.multinomial(q[i], 1, generator=torch.Generator().manual_seed(seed + i))) for i in range(2)]
+        other_q, other_p = dist(5), dist(6)
+        other = [int(torch.multinomial(other_q[i], 1)) for i in range(5)]
+        alone_g, batched_g = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        alone = accept_batch([drafts], [q], [p], [alone_g])[0]
+        batched = accept_batch([other, drafts], [other_q, q], [other_p, p],
+                               [torch.Generator().manual_seed(10_000 + seed), batched_g])[1]
+        assert batched == alone, seed
+        assert torch.equal(alone_g.get_state(), batched_g.get_state()), seed

@@ -129,3 +129,41 @@ def test_bad_requests_raise_value_error():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_a_cancel_while_its_request_is_being_admitted_is_not_lost():
+    """A request the loop has taken off the queue and not yet started is still found by `cancel`
+    (until stop 47 it was in neither list then: cancel returned False, and a client that had gone
+    left its request decoding to max_tokens)."""
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=1)), None, eos_ids=set(), max_num_seqs=2)
+    answers = []
+    release = engine._release_finished
+
+    def release_then_cancel():  # runs in the round's set-up, after the queue was read, before the prefill
+        if not answers:
+            answers.append(engine.cancel("r1"))
+        release()
+
+    engine._release_finished = release_then_cancel
+    req = engine.submit([1, 2, 3], 20, SamplingParams(), k=0, request_id="r1")
+    for _ in range(3):
+        engine.step()
+    assert answers == [True] and req.done.is_set() and req.result().finish_reason == "cancelled"
+    assert len(req.result().token_ids) < 20 and len(engine.free_slots) == engine.max_num_seqs
+
+
+def test_a_raising_on_finish_stays_with_its_request():
+    """A caller's on_finish that raises fails nothing else: the loop goes on and the other request
+    ends normally (until stop 47 the exception left the loop's thread, and every request hung)."""
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=1)), None, eos_ids=set(), max_num_seqs=2)
+    engine.start()
+    try:
+        bad = engine.submit([1, 2, 3], 200, SamplingParams(), k=0, on_finish=lambda r: 1 / 0)
+        good = engine.submit([4, 5, 6], 12, SamplingParams(), k=0)
+        assert engine.cancel(bad.id)
+        assert good.done.wait(60) and good.result().finish_reason == "length"
+        assert bad.done.is_set() and bad.result().finish_reason == "cancelled"
+        after = engine.submit([7, 8], 5, SamplingParams(), k=0)
+        assert after.done.wait(60) and len(after.result().token_ids) == 5
+    finally:
+        engine.stop()

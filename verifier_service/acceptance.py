@@ -124,12 +124,14 @@ def accept_on_device(
         live = torch.arange(K, device=dev)[None, :] < torch.tensor([ks[b] for b in one_hot], device=dev)[:, None]
         q[rows, :K] = torch.zeros(len(one_hot), K, V, device=dev).scatter_(-1, drafts[rows][..., None],
                                                                             live[..., None].float())
-    # one uniform per draft position and one exponential per vocabulary entry, per sampled request
+    # one uniform per draft position and one exponential per vocabulary entry, per sampled request;
+    # as many as its own drafts (one at least), so what a seeded request draws never depends on the
+    # other requests of its batch (until stop 47: as many as the batch's longest draft)
     u = torch.zeros(B, max(K, 1), device=dev)
     race = torch.ones(B, V, device=dev)
     for b, g in enumerate(generators):
         if g is not None:
-            u[b] = torch.rand(max(K, 1), generator=g, device=dev)
+            u[b, :max(ks[b], 1)] = torch.rand(max(ks[b], 1), generator=g, device=dev)
             race[b].exponential_(generator=g)
     u = u[:, :K]
     px = p[:, :K].gather(2, drafts[..., None])[..., 0]

@@ -297,6 +297,7 @@ class SpeculativeEngine:
         self.work = threading.Condition(self.lock)
         self.loop: threading.Thread | None = None
         self.stopping = False
+        self._admitting: list[Request] = []  # taken off `waiting` by the round being set up
 
     # ---------------------------------------------------------------- requests
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -347,7 +348,7 @@ class SpeculativeEngine:
     def cancel(self, request_id: str) -> bool:
         """Ends a waiting or running request before the next round; its slots are freed."""
         with self.lock:
-            for req in list(self.waiting) + self.running:
+            for req in list(self.waiting) + self._admitting + self.running:
                 if req.id == request_id:
                     req.cancelled = True
                     self.work.notify()
@@ -413,11 +414,14 @@ class SpeculativeEngine:
                     not admit or not self.running or tokens + len(self.waiting[0].prompt_ids) <= self.PREFILL_BUDGET):
                 admit.append(self.waiting.popleft())
                 tokens += len(admit[-1].prompt_ids)
+            self._admitting = admit  # off the queue, not yet running: `cancel` finds them here
         self._finish_starts(wait=False)
         self._release_finished()
         self._resume_if_recovered()
         if admit:
             self._admit(admit)
+        with self.lock:
+            self._admitting = []
         self._compact()
         running = list(self.running)
         if not running:
@@ -921,4 +925,7 @@ class SpeculativeEngine:
         req.finish_reason = reason
         req.done.set()
         if req.on_finish is not None:
-            req.on_finish(req)
+            try:
+                req.on_finish(req)
+            except Exception:  # the caller's callback: its failure stays with its request, never the loop
+                log.exception("on_finish of request %s raised", req.id)
