@@ -181,6 +181,12 @@ class PipelinedProposer(Proposer):
             self.last_ask[item.seq_id] = (item.k, item.min_confidence)
         return out
 
+    def base_length(self, seq_id: str) -> int:
+        """The sequence's committed tokens, without the outcome a preparation assumed (whose
+        tokens a Propose's new_tokens carry again)."""
+        ready = self.ready.get(seq_id)
+        return ready[0].base if ready else self.inner.committed_length(seq_id)
+
     def served_by_preparation(self, seq_id: str, new_tokens: list[int], k: int) -> bool:
         """Whether a call for this sequence would be served by what is prepared or being
         prepared now (called from another thread, without the lock: a hint)."""

@@ -214,7 +214,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"min_confidence must be in [0, 1], got {item.min_confidence}")
                 new_tokens = self._check_tokens(item.new_tokens, "new_tokens")
-                if len(seq.tokens) + len(new_tokens) + item.k > self.max_length:
+                base = self.proposer.base_length(item.seq_id) if self.pipeline else len(seq.tokens)
+                if base + len(new_tokens) + item.k > self.max_length:
                     raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
                 items.append(ProposeItem(item.seq_id, new_tokens, item.k, item.min_confidence))

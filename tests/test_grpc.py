@@ -542,3 +542,19 @@ def test_no_drafts_are_asked_for_early_after_a_probe_while_speculation_is_off():
         assert seeded.stats.rounds_by_k[0] == 0 and sent and all(list(asked) == [seeded.id] for asked in sent)
     finally:
         server.stop(0)
+
+
+def test_a_prepared_round_near_the_context_end_is_not_refused(stub):
+    """A Propose whose new tokens are the outcome a preparation assumed is checked against the
+    context once: until stop 47 the server counted those tokens twice (they were already in the
+    sequence), refused the call within about 2k + 1 tokens of the end with OUT_OF_RANGE, and the
+    verifier took that for a failed drafter."""
+    stub_, _, servicer = stub
+    L = servicer.max_length
+    start(stub_, "edge", prompt=[1 + i % 50 for i in range(L - 10)])
+    first = propose(stub_, "edge", k=4)
+    servicer.background.submit(lambda: None).result()  # the preparation after it has run
+    assert servicer.proposer.ready.get("edge")
+    reply = propose(stub_, "edge", new_tokens=list(first.drafts[0].tokens) + [7], k=4, round_=2)  # L - 1 in all
+    assert len(reply.drafts[0].tokens) == 4
+    stub_.Release(pb.ReleaseRequest(seq_ids=["edge"]), timeout=10)
