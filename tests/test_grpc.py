@@ -558,3 +558,28 @@ def test_a_prepared_round_near_the_context_end_is_not_refused(stub):
     reply = propose(stub_, "edge", new_tokens=list(first.drafts[0].tokens) + [7], k=4, round_=2)  # L - 1 in all
     assert len(reply.drafts[0].tokens) == 4
     stub_.Release(pb.ReleaseRequest(seq_ids=["edge"]), timeout=10)
+
+
+def test_a_reply_left_unread_past_its_deadline_does_not_end_the_stream(stub, monkeypatch):
+    """The engine may leave a Propose's reply unread for a while (it sent a round's outcome early,
+    then the policy stopped drafting): the stream stays up and the reply is read when asked for.
+    Until stop 47 the watchdog counted from the send whether anyone waited or not, cancelled the
+    stream, and the next drafting round raised DrafterUnavailable from a drafter that had answered
+    in milliseconds."""
+    import time
+
+    from specserve.core.proposer import ProposeItem
+    from specserve.verifier import client as client_module
+    from specserve.verifier.client import RemoteProposer
+    servicer = stub[2]
+    remote = RemoteProposer(servicer.address)
+    remote.start("unread", [1, 2, 3], SamplingParams())
+    monkeypatch.setattr(client_module, "deadline", lambda method, tokens=0: 0.3)
+    remote.send([ProposeItem("unread", [4], 2)])
+    stream = remote.client.stream
+    time.sleep(1.0)  # over three deadlines, the reply unread
+    assert len(remote.receive()[0].tokens) == 2 and remote.client.stream is stream
+    assert len(remote.propose([ProposeItem("unread", [5], 2)])[0].tokens) == 2
+    monkeypatch.undo()
+    remote.release("unread")
+    remote.client.close()

@@ -127,9 +127,13 @@ class DeadlineExceeded(grpc.RpcError):
 
 class ProposeStream:
     """One ProposeStream call: requests are written from a queue, replies read in order. Each
-    request has a deadline (`deadline`) counted from its send; a watchdog thread, waking every
-    WATCH_S, cancels the stream once the oldest unanswered one has passed it. The stream itself
-    has no deadline: it lives as long as the connection."""
+    request has a deadline (`deadline`), counted from its send, or from when the verifier asks for
+    its reply if that is later: a watchdog thread, waking every WATCH_S, cancels the stream once a
+    `receive` has waited on the oldest unanswered one past it. A reply nobody waits for costs no
+    round (gRPC reads a message only when asked for it, so an unread one looks unanswered): until
+    stop 47 one left unread past its deadline (the policy turned speculation off after an early
+    send) cancelled the stream, and the next drafting round took the drafter for failed. The stream
+    itself has no deadline: it lives as long as the connection."""
 
     WATCH_S = 0.05
 
@@ -138,6 +142,7 @@ class ProposeStream:
         self.replies = stub.ProposeStream(iter(self.requests.get, None))
         self.pending: deque[tuple[float, float]] = deque()  # (send time, allowed seconds), oldest first
         self.expired: float | None = None  # the allowance that was missed, once the watchdog cancelled
+        self.receiving: float | None = None  # when the `receive` now waiting began (None: none waits)
         self.closed = threading.Event()
         threading.Thread(target=self._watch, name="propose-stream-watchdog", daemon=True).start()
 
@@ -146,6 +151,7 @@ class ProposeStream:
         self.requests.put(request)
 
     def receive(self):
+        self.receiving = time.monotonic()
         try:
             reply = next(self.replies)
         except StopIteration:
@@ -154,16 +160,19 @@ class ProposeStream:
             if self.expired is not None:
                 raise DeadlineExceeded(self.expired) from None
             raise
+        finally:
+            self.receiving = None
         self.pending.popleft()
         return reply
 
     def _watch(self) -> None:
         while not self.closed.wait(self.WATCH_S):
+            waiting = self.receiving
             try:
                 sent, seconds = self.pending[0]
             except IndexError:
                 continue
-            if time.monotonic() - sent > seconds:
+            if waiting is not None and time.monotonic() - max(sent, waiting) > seconds:
                 self.expired = seconds
                 self.replies.cancel()
                 return
