@@ -84,6 +84,17 @@ class CompletionRequest:
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
 
+# OpenAI request fields this server does not implement, with the values that ask for nothing
+UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned"),
+               ("top_logprobs", (None, 0), "no log probabilities are returned"),
+               ("echo", (None, False), "the prompt is not echoed"),
+               ("best_of", (None, 1), "only one completion is made"),
+               ("suffix", (None, ""), "no insertion"),
+               ("presence_penalty", (None, 0), "no penalties: they would change the target's distribution"),
+               ("frequency_penalty", (None, 0), "no penalties: they would change the target's distribution"),
+               ("logit_bias", (None, {}), "no logit bias"))
+
+
 def parse_completion(body, default_model: str) -> CompletionRequest:
     """Validates a /v1/completions body; raises APIError(400) with the offending param."""
     if not isinstance(body, dict):
@@ -107,8 +118,13 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
                        "prompt")
     else:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
+    for name, inert, what in UNSUPPORTED:  # asked for, not done: a clear 400, not a 200 that ignores it
+        if body.get(name) not in inert:
+            raise _bad(f"'{name}' is not supported ({what})", name, "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
     req.max_tokens = _get(body, "max_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
+    if body.get("max_tokens") is None:  # the chat API's newer name for it (what the openai client sends)
+        req.max_tokens = _get(body, "max_completion_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
     req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v == 0 or v >= MIN_TEMPERATURE,
                                  f"0 (greedy) or a number >= {MIN_TEMPERATURE}"))
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
@@ -171,7 +187,10 @@ def chat_prompt(body, tokenizer) -> str:
             isinstance(m, dict) and _is_text(m.get("role")) and _is_text(m.get("content"))
             for m in messages):
         raise _bad("'messages' must be a non-empty list of {role, content} objects with string content", "messages")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's own checks (roles must alternate, ...): the request's fault
+        raise _bad(f"the chat template refused these messages: {e}", "messages") from None
 
 
 class Detokenizer:

@@ -21,6 +21,7 @@ Deployments:
 import asyncio
 import hmac
 import json
+import logging
 import uuid
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
                                           completion_response, parse_completion, parse_json, speculative_block)
 from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
+
+log = logging.getLogger("specserve.serve")
 
 
 async def paced(queue: asyncio.Queue, interval_s: float):
@@ -202,6 +205,14 @@ async def _http_error(_, exc: StarletteHTTPException):
                                         else None, headers=getattr(exc, "headers", None)))
 
 
+def _pair_failed(error: Exception) -> APIError:
+    """A request whose pair replica failed under it (died, restarted, unreachable): a 503 the
+    client may retry, in the OpenAI shape, not the framework's plain-text 500."""
+    log.warning("a pair failed a request: %r", error)
+    return APIError(503, f"the pair serving this request failed ({type(error).__name__}); retry",
+                    code="pair_unavailable", headers={"Retry-After": "1"})
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
@@ -245,7 +256,10 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self):
-        loads = await self.pair.broadcast("load").results_async()
+        try:
+            loads = await asyncio.wait_for(self.pair.broadcast("load").results_async(), timeout=5.0)
+        except Exception:  # no pair up (starting, restarting): the ingress's own series still answer
+            loads = []
         return PlainTextResponse(self.metrics.render(loads), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -277,7 +291,7 @@ class OpenAIIngress:
     async def _json(request: Request):
         try:
             return parse_json(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (RecursionError: nested too deep)
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
     async def _serve(self, req, prompt, chat: bool):
@@ -301,7 +315,10 @@ class OpenAIIngress:
         stream = self.pair.options(stream=True).generate.remote(upstream)
         cid, timer = completion_id(), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop)
-        first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
+        try:
+            first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
+        except Exception as e:
+            raise _pair_failed(e) from None
         if "error" in first:
             self._raise_upstream(first["error"])
         if req.stream:
@@ -326,10 +343,15 @@ class OpenAIIngress:
     @staticmethod
     async def _items(first, stream):
         yield first
-        async for item in stream:
-            if "error" in item:
-                raise APIError(item["error"]["status"], item["error"]["message"])
-            yield item
+        try:
+            async for item in stream:
+                if "error" in item:
+                    raise APIError(item["error"]["status"], item["error"]["message"])
+                yield item
+        except APIError:
+            raise
+        except Exception as e:  # the pair's replica died or went away mid-request (Ray's errors)
+            raise _pair_failed(e) from None
 
     def _raise_upstream(self, error: dict):
         headers = {"Retry-After": "1"} if error["status"] == 503 else None

@@ -89,6 +89,42 @@ def test_absurd_values_are_400s(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
+                                         ("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
+                                         ("frequency_penalty", -1), ("logit_bias", {"5": 10})])
+def test_fields_asked_for_and_not_implemented_are_400s(field, value):
+    """Until stop 47 these were accepted and ignored (a 200 whose logprobs were null, say)."""
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "p", field: value}, "m")
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_value"
+    inert = {"logprobs": None, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": "", "presence_penalty": 0,
+             "frequency_penalty": 0.0, "logit_bias": {}}[field]
+    assert parse_completion({"model": "m", "prompt": "p", field: inert}, "m").prompt == "p"  # asks for nothing
+
+
+def test_max_completion_tokens_is_max_tokens_when_that_is_absent():
+    assert parse_completion({"model": "m", "prompt": "p", "max_completion_tokens": 40}, "m").max_tokens == 40
+    assert parse_completion({"model": "m", "prompt": "p", "max_tokens": 7, "max_completion_tokens": 40},
+                            "m").max_tokens == 7
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "p", "max_completion_tokens": 0}, "m")
+    assert e.value.param == "max_completion_tokens"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tok):
+    from specserve.cluster.openai_api import chat_prompt
+
+    class Strict:
+        chat_template = "{{ raise_exception('roles must alternate') }}"
+
+        def apply_chat_template(self, messages, **kw):
+            return tok.apply_chat_template(messages, chat_template=self.chat_template, **kw)
+
+    with pytest.raises(APIError) as e:
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, Strict())
+    assert e.value.status == 400 and "roles must alternate" in e.value.message
+
+
 def test_small_but_sane_temperature_is_accepted():
     assert parse_completion({"model": "m", "prompt": "p", "temperature": 0.001}, "m").temperature == 0.001
 
@@ -100,3 +136,30 @@ def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     logits = torch.randn(3, 50) * 3
     p = warp(logits, SamplingParams(temperature=1.0, top_p=1e-300))
     assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
+    """Whatever the pair's stream raises that is not our own error (Ray's ActorDiedError when its
+    replica died, say) becomes a 503 the client may retry (until stop 47: the framework's
+    plain-text 500, and a streamed response cut off without its error event and [DONE])."""
+    import asyncio
+
+    from specserve.cluster.serve_app import OpenAIIngress
+
+    items = OpenAIIngress.func_or_class._items
+
+    async def dying():
+        yield {"token_ids": [1]}
+        raise RuntimeError("the replica died")
+
+    async def read():
+        got = []
+        with pytest.raises(APIError) as e:
+            async for item in items({"token_ids": [0]}, dying()):
+                got.append(item)
+        return got, e.value
+
+    got, error = asyncio.run(read())
+    assert got == [{"token_ids": [0]}, {"token_ids": [1]}]
+    assert error.status == 503 and error.code == "pair_unavailable" and error.headers == {"Retry-After": "1"}
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}

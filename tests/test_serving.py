@@ -125,6 +125,9 @@ def test_models_health_and_bad_json(server):
     assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == MODEL
     r = httpx.post(server + "/v1/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # nested past Python's recursion limit: RecursionError, not ValueError (a 500 until stop 47)
+    r = httpx.post(server + "/v1/completions", content=b'{"stop": ' + b"[" * 100_000 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
 def test_16_concurrent_streams_equal_solo(server, client):
