@@ -104,6 +104,8 @@ def cmd_generate(args) -> int:
     method = "none" if args.no_speculation or args.k == 0 else args.method
     if args.distributed and method not in (None, "draft_model"):
         raise CLIError("--method ngram/none runs in process: drop --distributed")
+    if args.threads < 0:
+        raise CLIError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed:
@@ -159,6 +161,8 @@ def load_app_args(path: str | None) -> dict:
         raise CLIError(f"cannot read config {path!r}: {e}") from None
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] or [{}]
+        if not isinstance(apps, list) or not isinstance(apps[0], dict):
+            raise CLIError(f"config {path!r}: applications must be a list of mappings (Serve's config format)")
         doc = apps[0].get("args") or {}
     if not isinstance(doc, dict):
         raise CLIError(f"config {path!r} must be a mapping of app args or a Serve config")
@@ -172,6 +176,8 @@ def cmd_serve(args) -> int:
     from specserve.core.runner import ModelLoadError
 
     app_args = load_app_args(args.config)
+    if args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation:
+        raise CLIError("--drafter is required with --target (or pass --no-speculation)")  # as `generate`
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
                 "colocate", "draft_vocab"):
         if getattr(args, key) is not None:
@@ -192,7 +198,12 @@ def cmd_serve(args) -> int:
     from specserve.cluster.serve_app import build_app
     ensure_ray()
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
+    try:
+        serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
+    except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CLIError(f"the app did not start: {lines[-1] if lines else type(e).__name__} "
+                       "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
     url = f"http://{'localhost' if args.host in ('0.0.0.0', '127.0.0.1') else args.host}:{args.port}"
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"

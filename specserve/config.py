@@ -67,6 +67,8 @@ class SpecServeConfig:
         need(isinstance(self.colocate, bool), f"colocate must be true or false, got {self.colocate!r}")
         need(not (self.colocate and self.fanout > 1),
              "fanout > 1 needs a pipelining drafter actor: a colocated drafter (colocate: true) does not pipeline")
+        need(not (self.pipeline is False and self.fanout > 1),
+             "fanout > 1 needs pipelining: with pipeline: false nothing is prepared (it was ignored until stop 47)")
         need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs must be an integer >= 1")
         need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting must be an integer >= 0")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),

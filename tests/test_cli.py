@@ -143,3 +143,16 @@ def test_distill_a_drafter_for_a_tiny_target_then_generate_with_it(tiny_pair_dir
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     a, b = json.loads(spec.stdout), json.loads(plain.stdout)
     assert a["token_ids"] == b["token_ids"] and a["stats"]["num_draft_tokens"] > 0
+
+
+def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_path):
+    """Each was a traceback (or, for serve --target alone, an error about the demo drafter's
+    tokenizer) until stop 47."""
+    bad_config = tmp_path / "serve.yaml"
+    bad_config.write_text("applications: [foo]\n")
+    for argv, message in (
+            (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be >= 0"),
+            (["serve", "--target", tiny_pair_dir["target"]], "--drafter is required with --target"),
+            (["serve", "--config", str(bad_config)], "applications must be a list of mappings")):
+        r = run_cli(argv)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

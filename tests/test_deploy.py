@@ -585,6 +585,8 @@ def test_a_colocated_pair_has_one_bundle_and_colocate_is_checked():
         SpecServeConfig.from_dict({"colocate": "yes"})
     with pytest.raises(ValueError, match="does not pipeline"):
         SpecServeConfig.from_dict({"colocate": True, "fanout": 3})
+    with pytest.raises(ValueError, match="fanout > 1 needs pipelining"):
+        SpecServeConfig.from_dict({"pipeline": False, "fanout": 2})
 
 
 def test_serve_configs_agree():
