@@ -188,11 +188,11 @@ class SlowSpell(ModelRunner):
         super().__init__(*args, **kw)
         self.spell, self.delay, self.calls = spell, delay, 0
 
-    def score_batch(self, batch, last_only=False):
+    def score_batch(self, batch, last_only=False, vocab=False):
         if self.calls in self.spell:
             time.sleep(self.delay)
         self.calls += 1
-        return super().score_batch(batch, last_only=last_only)
+        return super().score_batch(batch, last_only=last_only, vocab=vocab)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
