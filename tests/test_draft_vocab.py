@@ -195,7 +195,8 @@ def test_a_pair_refuses_a_bad_draft_vocab_before_its_drafter_actor_starts(ray_se
     before = set(actors())
     with pytest.raises(ValueError, match="has no draft_vocab.json"):
         SpeculativePair(target, drafter, pipeline=False, draft_vocab=12, cpus_per_actor=1)
-    assert set(actors()) == before
+    new = [a["ActorClassName"] for actor_id, a in actors().items() if actor_id not in before]
+    assert not [name for name in new if "Drafter" in name or "Verifier" in name], new  # (others' actors aside)
 
 
 def test_the_demo_drafter_ships_its_draft_vocabulary():
