@@ -257,7 +257,7 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self):
         try:
-            loads = await asyncio.wait_for(self.pair.broadcast("load").results_async(), timeout=5.0)
+            loads = await asyncio.wait_for(self.pair.broadcast("load").results_async(), timeout=HEALTH_TIMEOUT_S)
         except Exception:  # no pair up (starting, restarting): the ingress's own series still answer
             loads = []
         return PlainTextResponse(self.metrics.render(loads), media_type="text/plain; version=0.0.4")

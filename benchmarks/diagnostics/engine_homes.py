@@ -11,7 +11,7 @@ Stop 47 (the Xeon of stop 46, noisy): actor / in process 0.85x plain, 0.89x spec
 (colocated) / in process 0.90x plain, 0.82x speculative. Inside the actor the engine's passes took
 more CPU time than in this process (plain: 8.81 against 7.49 ms a round; speculative: pass 10.22
 against 9.14, drafting 8.23 against 7.36), with no wait for the CPU or the GIL (wall and CPU
-alike). A scratch check just after, the target's passes back to back (no engine) in this process,
+alike). A check just after (pass_homes.py), the target's passes back to back (no engine) in this process,
 a Ray actor and two child processes (OMP_NUM_THREADS=1 set or not, the one environment variable of
 a Ray worker that could matter), alternating, had the actor as fast as the fastest (medians 7.7 ms of CPU a pass, against 7.7-9.3 for
 the others): the machine's drift, not the process, so this run's gap is not a finding.
