@@ -101,13 +101,22 @@ class RequestTimer:
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
-        now = time.monotonic()
+        self._observe(time.monotonic(), n)
+
+    def _observe(self, now: float, n: int) -> None:
         if self.last is None:
             self.metrics.ttft.observe(now - self.start)
         else:
             for _ in range(n):
                 self.metrics.itl.observe((now - self.last) / n)
         self.last = now
+
+    def rounds(self, rounds: list) -> None:
+        """A coalesced request's rounds, [seconds before its final message, tokens] each, as the
+        pair timed them: observed as if each had arrived on its own (less the message's transit)."""
+        now = time.monotonic()
+        for age, n in rounds:
+            self._observe(now - age, n)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start

@@ -213,6 +213,7 @@ class Detokenizer:
         self.text = ""  # the text so far (cut at a stop string)
         self.sent = 0  # characters of text already emitted
         self.stopped = False
+        self.stopped_at = 0  # once stopped: len(ids) when it stopped
 
     def add(self, token_ids: list[int]) -> str:
         """New delta after token_ids; sets .stopped when a stop string appears."""
@@ -220,6 +221,19 @@ class Detokenizer:
         if not self.stopped:
             self._decode(final=False)
         return self._delta(final=False)
+
+    def tokens_used(self) -> int:
+        """The tokens the text needed: all of them, or once stopped, the fewest whose text holds
+        the stop string (usage counts those, however the rounds split the tokens and whatever
+        they wrote after it). A binary search: once in the text, a stop string stays there."""
+        if not self.stopped:
+            return len(self.ids)
+        lo, hi = 0, self.stopped_at  # (the text of ids[:lo] lacks it; that of ids[:hi] holds it)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            text = self.tokenizer.decode(self.ids[:mid], skip_special_tokens=True)
+            lo, hi = (lo, mid) if any(s in text for s in self.stop) else (mid, hi)
+        return hi
 
     def flush(self) -> str:
         """At the end: whatever was held back (a trailing partial stop string is real text)."""
@@ -241,6 +255,8 @@ class Detokenizer:
             i = text.find(s, max(0, self.sent - len(s)))
             if i != -1:
                 text = text[:i]
+                if not self.stopped:
+                    self.stopped_at = len(self.ids)
                 self.stopped = True
         self.text = text
         end = len(text)

@@ -85,6 +85,7 @@ class PairReplica:
         from transformers.utils import logging as hf_logging
 
         from specserve.builder import build_engine, start_drafter
+        from specserve.core.runner import load_tokenizer
 
         cfg = SpecServeConfig.from_dict(config)
         torch.set_num_threads(cfg.threads)
@@ -95,6 +96,7 @@ class PairReplica:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
             self.drafter = start_drafter(cfg, strategy)
         self.engine = build_engine(cfg, self.drafter.address if self.drafter else None)
+        self.tokenizer = load_tokenizer(cfg.target)  # for requests with stop strings (see generate)
         self.engine.start()
         self.k = cfg.k if self.engine.proposers else 0
         self.stream_interval_s = cfg.stream_interval_ms / 1000.0
@@ -107,14 +109,26 @@ class PairReplica:
         replica, the ingress and the client CPU time: at one token per round (plain decoding),
         one message per round ran the HTTP path at 0.67x the pair's own speed on the reference
         machine (docs/benchmarks/overhead_f09d900.md; paced at 20 ms, 0.83x: overhead.md).
-        With request["coalesce"] (a non-streamed request without stop strings: nobody reads the
-        rounds) the tokens come in the final message: one message per request, not per round."""
+        With request["coalesce"] (a non-streamed request: nobody reads the rounds) the tokens come
+        in the final message, with each round's time ("rounds": [seconds before the final message,
+        tokens]) for the ingress's latency metrics: one message per request, not per round.
+
+        A request with stop strings (request["stop"]) is watched here too, with the ingress's own
+        `Detokenizer` over the same tokenizer: at the round that completes a stop string the
+        request is ended (finish_reason "stop"), so its final message still brings its stats, and
+        rounds after it are not sent. The ingress cuts the text at the same place."""
         from specserve.core.sampling import SamplingParams
         from specserve.verifier.engine import Overloaded, RequestTimeout
+
+        import time
+
+        from specserve.cluster.openai_api import Detokenizer
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         coalesce = request.get("coalesce", False)
+        watch = Detokenizer(self.tokenizer, request["stop"]) if request.get("stop") else None
+        kept = None  # tokens up to the round that completed a stop string
         k = self.k if request["speculative"] else 0
         if request.get("k") is not None and k:
             k = request["k"]
@@ -122,7 +136,7 @@ class PairReplica:
             self.engine.submit(
                 request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
-                on_tokens=None if coalesce else
+                on_tokens=None if coalesce and watch is None else
                 lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
         except ValueError as e:
@@ -133,9 +147,17 @@ class PairReplica:
             return
         finished = False
         try:
-            async for kind, item in paced(queue, self.stream_interval_s):
+            async for kind, item in paced(queue, 0.0 if coalesce else self.stream_interval_s):
                 if kind == "tokens":
-                    yield {"token_ids": item}
+                    if kept is not None:  # rounds after the stop string: nobody reads them
+                        continue
+                    if watch is not None:
+                        watch.add(item)
+                        if watch.stopped:  # ends before the next round; its "done" brings the stats
+                            kept = watch.tokens_used()
+                            self.engine.cancel(request["id"])
+                    if not coalesce:
+                        yield {"token_ids": item}
                     continue
                 finished = True
                 if isinstance(item.error, RequestTimeout):
@@ -143,8 +165,18 @@ class PairReplica:
                 elif item.error is not None:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
                 else:
-                    yield {"finish_reason": item.finish_reason, "stats": item.stats.to_dict(), "k": k,
-                           "method": item.method, **({"token_ids": item.out} if coalesce else {})}
+                    final = {"finish_reason": "stop" if kept is not None else item.finish_reason,
+                             "stats": item.stats.to_dict(), "k": k, "method": item.method}
+                    if coalesce:
+                        now, written = time.monotonic(), 0
+                        final["rounds"] = []
+                        for t, n in item.chunks:
+                            n = n if kept is None else min(n, kept - written)
+                            if n > 0:
+                                final["rounds"].append([now - t, n])
+                                written += n
+                        final["token_ids"] = item.out[:written]
+                    yield final
                 return
         finally:
             if not finished:  # the client went away: free the slots on both sides
@@ -311,7 +343,7 @@ class OpenAIIngress:
                                   seed=req.seed).to_dict()
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
-                    "method": req.method, "coalesce": not req.stream and not req.stop}
+                    "method": req.method, "coalesce": not req.stream, "stop": req.stop}
         stream = self.pair.options(stream=True).generate.remote(upstream)
         cid, timer = completion_id(), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop)
@@ -327,17 +359,16 @@ class OpenAIIngress:
         text, final, n_tokens = "", None, 0
         try:
             async for item in self._items(first, stream):
-                if "token_ids" in item:
-                    n_tokens += len(item["token_ids"])
-                    timer.tokens(len(item["token_ids"]))
-                    text += detok.add(item["token_ids"])
-                    if detok.stopped:
-                        break
-                if "finish_reason" in item:  # the last message (with the tokens too, coalesced)
+                if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
                     final = item
+                    timer.rounds(item.get("rounds", []))
+                if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
+                    n_tokens += len(item["token_ids"])
+                    text += detok.add(item["token_ids"])
         finally:
-            stream.cancel()  # a stop string (or an error) ends the sequence early: free its slots
+            stream.cancel()  # an error ends the sequence early: free its slots
         text += detok.flush() if not detok.stopped else ""
+        n_tokens = detok.tokens_used() if detok.stopped else n_tokens
         return self._finish(cid, req, prompt_ids, text, final, n_tokens, detok.stopped, chat, timer)
 
     @staticmethod
@@ -359,6 +390,8 @@ class OpenAIIngress:
                        headers=headers)
 
     def _finish(self, cid, req, prompt_ids, text, final, n_tokens, stopped, chat, timer):
+        """The response (or the stream's last chunk), and the request's metrics. A stopped
+        request's usage counts the tokens through its stop string (Detokenizer.tokens_used)."""
         stats = final["stats"] if final else {}
         finish_reason = "stop" if stopped or (final and final["finish_reason"] == "stop") else "length"
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
@@ -373,19 +406,20 @@ class OpenAIIngress:
         try:
             async for item in self._items(first, stream):
                 if "token_ids" in item:
+                    if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
+                        continue
                     n_tokens += len(item["token_ids"])
                     timer.tokens(len(item["token_ids"]))
                     delta = detok.add(item["token_ids"])
                     if delta:
                         yield sse_event(completion_chunk(cid, req.model, delta, None, chat))
-                    if detok.stopped:
-                        break
                 else:
                     final = item
             if not detok.stopped:
                 tail = detok.flush()
                 if tail:
                     yield sse_event(completion_chunk(cid, req.model, tail, None, chat))
+            n_tokens = detok.tokens_used() if detok.stopped else n_tokens
             done = self._finish(cid, req, prompt_ids, detok.text, final, n_tokens, detok.stopped, chat, timer)
             last = completion_chunk(cid, req.model, "", done["choices"][0]["finish_reason"], chat)
             last["usage"], last["speculative"] = done["usage"], done["speculative"]

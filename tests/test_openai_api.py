@@ -58,6 +58,9 @@ def test_stop_strings_are_never_emitted(tok):
         detok = Detokenizer(tok, ["STOP", "zzz"])
         out = stream(detok, ids, random.Random(seed))
         assert out == "alpha = 1\nbeta = 2\n" and detok.stopped
+        # usage: the tokens through the one that completes "STOP", however the rounds split them
+        used = detok.tokens_used()
+        assert "STOP" in tok.decode(ids[:used]) and "STOP" not in tok.decode(ids[:used - 1])
 
 
 def test_detokenization_costs_o_new_tokens(tok):

@@ -86,15 +86,40 @@ def test_token_id_prompt_and_seeded_sampling(client):
     assert a.choices[0].text == b.choices[0].text
 
 
-def test_stop_strings_in_both_modes(client):
+def test_stop_strings_in_both_modes(server, client):
+    """The pair ends a request at its stop string (PairReplica.generate watches for it), so the
+    response and /metrics still get the request's speculation figures (until stop 48 the ingress
+    cut such a request off and they were lost)."""
     base = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0).choices[0].text
-    assert len(base) > 6
-    stop = base[4:6]
+    at = next(i for i in range(4, len(base) - 1) if base[i:i + 2].isascii())  # (the tiny model writes bytes that
+    stop = base[at:at + 2]  # are no text: a stop string across them may have no first token to end at)
+    rounds = metric(server, "specserve_spec_decode_chosen_k_count")
     full = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=[stop])
     assert full.choices[0].text == base[:base.index(stop)] and full.choices[0].finish_reason == "stop"
+    spec = full.model_extra["speculative"]  # (the policy may not draft this early: its rounds by k are there)
+    assert spec["enabled"] and sum(spec["rounds_by_k"]) > 0 and 0 < full.usage.completion_tokens < 30
+    assert metric(server, "specserve_spec_decode_chosen_k_count") - rounds == sum(spec["rounds_by_k"])
     chunks = list(client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=stop,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    last = chunks[-1].model_extra
+    assert chunks[-1].choices[0].finish_reason == "stop" and sum(last["speculative"]["rounds_by_k"]) > 0
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_a_non_streamed_request_times_its_rounds(server, client):
+    """A non-streamed request comes in one message, with the times of its rounds: its time to
+    first token is its first round's, not the whole request's, and its later rounds are ITL."""
+    names = ("specserve_time_to_first_token_seconds_sum", "specserve_e2e_request_latency_seconds_sum",
+             "specserve_inter_token_latency_seconds_count")
+    before = {n: metric(server, n) for n in names}
+    r = client.completions.create(model=MODEL, prompt="def g(x):", max_tokens=30, temperature=0,
+                                  extra_body={"ignore_eos": True, "speculative": {"enabled": False}})
+    after = {n: metric(server, n) for n in names}
+    ttft, e2e = (after[n] - before[n] for n in names[:2])
+    assert r.usage.completion_tokens == 30
+    assert after[names[2]] - before[names[2]] == 29  # plain: a round per token, the first one is TTFT
+    assert 0 < ttft < e2e
 
 
 @pytest.mark.parametrize("kwargs,param", [
