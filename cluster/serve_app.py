@@ -185,8 +185,36 @@ class PairReplica:
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting, **self.engine.policy.gauges()}
 
-    def health(self) -> dict:
-        return self.engine.health()
+    async def health(self) -> dict:
+        """The engine's state, and, while it drafts through its drafter actor without trouble, a
+        probe of that actor: the engine learns of a failed drafter only from its next drafting
+        call, so an idle pair whose drafter died or restarted said "ok" until a request came."""
+        state = self.engine.health()
+        if state["status"] != "ok" or self.drafter is None:
+            return state
+        return await self._probe_drafter() or state
+
+    DRAFTER_PROBE_S = 2.0
+
+    async def _probe_drafter(self) -> dict | None:
+        """None if the drafter actor answers at the address the engine drafts through; else the
+        pair is degraded. A drafter found elsewhere (restarted) or dead is reported to the engine,
+        which reconnects (`SpeculativeEngine.drafter_moved`); one slow to answer (restarting, or
+        just busy) is only reported here: the engine then finds out at its next drafting call."""
+        import ray
+
+        using = self.engine.proposer.client.address
+        try:
+            address = await asyncio.wait_for(self.drafter.actor.get_address.remote(), self.DRAFTER_PROBE_S)
+        except asyncio.TimeoutError:
+            return {"status": "degraded", "reason": f"the drafter actor did not answer in {self.DRAFTER_PROBE_S:g} s "
+                    "(restarting?)"}
+        except ray.exceptions.RayError as e:
+            address = f"none ({type(e).__name__})"
+        if address == using:
+            return None
+        self.engine.drafter_moved(using)
+        return {"status": "degraded", "reason": f"the drafter moved from {using} to {address}; reconnecting"}
 
     def drafter_info(self) -> dict:
         """This replica's and its drafter's processes and connection, for operators (and the soak)."""

@@ -34,7 +34,8 @@ def deploy(name, tiny_pair_dir, **args):
 
 def test_drafter_killed_mid_stream(base, tiny_pair_dir):
     """8 streams run; the drafter's process is killed (SIGKILL). All 8 finish with 200 and the text
-    of plain decoding, /health says degraded and then ok, and speculation resumes."""
+    of plain decoding, /health says degraded and then ok, and speculation resumes. Killed again
+    while idle, the same without a request."""
     from ray import serve
     deploy("faulty", tiny_pair_dir, k=3, max_num_seqs=8, max_waiting=8, speculation="fixed")  # drafting resumes
     url = f"{base}/faulty"
@@ -90,6 +91,17 @@ def test_drafter_killed_mid_stream(base, tiny_pair_dir):
         assert "degraded" in statuses and statuses[-1] == "ok"
         info = pair.drafter_info.remote().result()
         assert info["pid"] != pid and info["reconnects"] >= 1
+        # killed again while the pair is idle: /health's probe of the drafter actor finds it gone or
+        # elsewhere, says degraded, and the pair reconnects with no request (until stop 48 /health
+        # said ok, and the next request's rounds found the drafter failed)
+        os.kill(info["pid"], signal.SIGKILL)
+        seen, deadline = [], time.monotonic() + 120
+        while "degraded" not in seen or seen[-1] != "ok":
+            assert time.monotonic() < deadline, seen[-5:]
+            seen.append(httpx.get(url + "/health", timeout=30).json()["status"])
+            time.sleep(0.1)
+        again = pair.drafter_info.remote().result()
+        assert again["pid"] not in (pid, info["pid"]) and again["reconnects"] == info["reconnects"] + 1
         after = client.completions.create(prompt=prompts[0], **body)
         assert after.choices[0].text == plain[0]
         assert after.model_extra["speculative"]["num_accepted_tokens"] > 0  # speculation resumed

@@ -261,6 +261,7 @@ class SpeculativeEngine:
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
+        self._moved: str | None = None  # a drafter address found stale from outside the loop (`drafter_moved`)
         self.proposer_failures = 0
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
@@ -372,6 +373,22 @@ class SpeculativeEngine:
             return {"status": "degraded", "reason": self.degraded}
         return {"status": "ok"}
 
+    def drafter_moved(self, address: str) -> None:
+        """Word from outside the loop (the pair replica's health probe) that the drafter no longer
+        serves at `address`: its actor restarted elsewhere, or died. If the loop still drafts
+        through that address, it takes this as a failed drafting call (n-gram fallback, reconnect
+        in the background), so an idle pair reconnects now, not in its next request's rounds."""
+        with self.lock:
+            self._moved = address
+            self.work.notify()
+
+    def _take_moved(self) -> None:
+        with self.lock:
+            moved, self._moved = self._moved, None
+        client = getattr(self.proposer, "client", None)
+        if moved is not None and self.degraded is None and getattr(client, "address", None) == moved:
+            self._proposer_failed(ConnectionError(f"the drafter no longer serves at {moved}"))
+
     # ---------------------------------------------------------------- the loop
     def start(self) -> None:
         """Runs rounds on a background thread whenever there is work."""
@@ -417,6 +434,7 @@ class SpeculativeEngine:
             self._admitting = admit  # off the queue, not yet running: `cancel` finds them here
         self._finish_starts(wait=False)
         self._release_finished()
+        self._take_moved()
         self._resume_if_recovered()
         if admit:
             self._admit(admit)
