@@ -84,19 +84,18 @@ class PairReplica:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from transformers.utils import logging as hf_logging
 
-        from specserve.builder import build_engine, start_drafter
-        from specserve.core.runner import load_tokenizer
+        from specserve.builder import build_engine, check_pair, start_drafter
 
         cfg = SpecServeConfig.from_dict(config)
         torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
+        self.tokenizer = check_pair(cfg)  # once, before any actor starts; for stop strings too (generate)
         self.drafter = None  # a DrafterHandle: restarted by Ray, or recreated, and found again
         if cfg.drafter_actor:  # (colocated: build_engine loads the drafter in this process)
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
-            self.drafter = start_drafter(cfg, strategy)
-        self.engine = build_engine(cfg, self.drafter.address if self.drafter else None)
-        self.tokenizer = load_tokenizer(cfg.target)  # for requests with stop strings (see generate)
+            self.drafter = start_drafter(cfg, strategy, checked=True)
+        self.engine = build_engine(cfg, self.drafter.address if self.drafter else None, checked=True)
         self.engine.start()
         self.k = cfg.k if self.engine.proposers else 0
         self.stream_interval_s = cfg.stream_interval_ms / 1000.0
@@ -114,21 +113,28 @@ class PairReplica:
         tokens]) for the ingress's latency metrics: one message per request, not per round.
 
         A request with stop strings (request["stop"]) is watched here too, with the ingress's own
-        `Detokenizer` over the same tokenizer: at the round that completes a stop string the
-        request is ended (finish_reason "stop"), so its final message still brings its stats, and
-        rounds after it are not sent. The ingress cuts the text at the same place."""
-        from specserve.core.sampling import SamplingParams
-        from specserve.verifier.engine import Overloaded, RequestTimeout
-
+        `Detokenizer` over the same tokenizer, on the engine's thread (`on_tokens`): the round
+        that completes a stop string is the request's last (finish_reason "stop"), so its final
+        message still brings its stats, and they count no round past the stop. The ingress cuts
+        the text at the same place."""
         import time
 
         from specserve.cluster.openai_api import Detokenizer
+        from specserve.core.sampling import SamplingParams
+        from specserve.verifier.engine import Overloaded, RequestTimeout
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         coalesce = request.get("coalesce", False)
         watch = Detokenizer(self.tokenizer, request["stop"]) if request.get("stop") else None
-        kept = None  # tokens up to the round that completed a stop string
+
+        def on_tokens(tokens: list[int]) -> bool:  # (the engine's thread: False ends the request in this round)
+            if watch is not None:
+                watch.add(tokens)
+            if not coalesce:
+                loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(tokens)))
+            return watch is None or not watch.stopped
+
         k = self.k if request["speculative"] else 0
         if request.get("k") is not None and k:
             k = request["k"]
@@ -136,8 +142,7 @@ class PairReplica:
             self.engine.submit(
                 request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
-                on_tokens=None if coalesce and watch is None else
-                lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("tokens", list(t))) or True,
+                on_tokens=None if coalesce and watch is None else on_tokens,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
         except ValueError as e:
             yield {"error": {"status": 400, "message": str(e)}}
@@ -147,27 +152,21 @@ class PairReplica:
             return
         finished = False
         try:
-            async for kind, item in paced(queue, 0.0 if coalesce else self.stream_interval_s):
+            async for kind, item in paced(queue, self.stream_interval_s):
                 if kind == "tokens":
-                    if kept is not None:  # rounds after the stop string: nobody reads them
-                        continue
-                    if watch is not None:
-                        watch.add(item)
-                        if watch.stopped:  # ends before the next round; its "done" brings the stats
-                            kept = watch.tokens_used()
-                            self.engine.cancel(request["id"])
-                    if not coalesce:
-                        yield {"token_ids": item}
+                    yield {"token_ids": item}
                     continue
                 finished = True
-                if isinstance(item.error, RequestTimeout):
+                # (the watch takes no tokens after it stopped: the request ended in that round)
+                kept = watch.tokens_used() if watch is not None and watch.stopped else None
+                if kept is None and isinstance(item.error, RequestTimeout):
                     yield {"error": {"status": 504, "message": str(item.error)}}
-                elif item.error is not None:
+                elif kept is None and item.error is not None:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
                 else:
                     final = {"finish_reason": "stop" if kept is not None else item.finish_reason,
                              "stats": item.stats.to_dict(), "k": k, "method": item.method}
-                    if coalesce:
+                    if coalesce:  # the tokens (through the stop string), and when each round wrote its own
                         now, written = time.monotonic(), 0
                         final["rounds"] = []
                         for t, n in item.chunks:
@@ -198,9 +197,10 @@ class PairReplica:
 
     async def _probe_drafter(self) -> dict | None:
         """None if the drafter actor answers at the address the engine drafts through; else the
-        pair is degraded. A drafter found elsewhere (restarted) or dead is reported to the engine,
-        which reconnects (`SpeculativeEngine.drafter_moved`); one slow to answer (restarting, or
-        just busy) is only reported here: the engine then finds out at its next drafting call."""
+        pair is degraded. A drafter found elsewhere (restarted) or dead for good is reported to the
+        engine, which reconnects (`SpeculativeEngine.drafter_moved`); one that does not answer
+        (restarting, busy, unreachable) is only reported here: the engine finds out at its next
+        drafting call, or at a later probe, once the restarted actor answers from elsewhere."""
         import ray
 
         using = self.engine.proposer.client.address
@@ -209,8 +209,10 @@ class PairReplica:
         except asyncio.TimeoutError:
             return {"status": "degraded", "reason": f"the drafter actor did not answer in {self.DRAFTER_PROBE_S:g} s "
                     "(restarting?)"}
-        except ray.exceptions.RayError as e:
-            address = f"none ({type(e).__name__})"
+        except ray.exceptions.ActorDiedError:  # for good: the engine's reconnect starts another
+            address = "none (the actor died)"
+        except ray.exceptions.RayError as e:  # unreachable for now (a node, the network): maybe fine
+            return {"status": "degraded", "reason": f"the drafter actor did not answer ({type(e).__name__})"}
         if address == using:
             return None
         self.engine.drafter_moved(using)

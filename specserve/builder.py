@@ -36,11 +36,14 @@ def check_pair(cfg: SpecServeConfig):
     return tokenizer
 
 
-def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] | None = None):
-    """The verifier side: target runner + proposer + engine (not started)."""
+def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] | None = None,
+                 checked: bool = False):
+    """The verifier side: target runner + proposer + engine (not started). checked: the caller
+    ran `check_pair(cfg)` already (it is not run again)."""
     from specserve.verifier.engine import SpeculativeEngine
 
-    check_pair(cfg)
+    if not checked:
+        check_pair(cfg)
     target = ModelRunner.from_pretrained(cfg.target, name="target", slots=cfg.max_num_seqs, device=cfg.device,
                                          dtype=cfg.dtype, compile=cfg.compile)
     target.warmup(widths=(1, cfg.k + 1))  # compiles now (when compiled), not on the first request
@@ -101,13 +104,14 @@ class DrafterHandle:
         ray.kill(self.actor)
 
 
-def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None) -> DrafterHandle:
+def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None, checked: bool = False) -> DrafterHandle:
     """Checks the pair (`check_pair`: a folder that does not load, another tokenizer or a bad draft
-    vocabulary is a clear error here, before any actor starts), then starts the drafter actor
-    (model + gRPC server) for cfg and waits until it serves."""
+    vocabulary is a clear error here, before any actor starts; unless `checked`: the caller did),
+    then starts the drafter actor (model + gRPC server) for cfg and waits until it serves."""
     import ray
 
-    check_pair(cfg)
+    if not checked:
+        check_pair(cfg)
     handle = DrafterHandle(cfg, scheduling_strategy)
     try:
         handle.address()

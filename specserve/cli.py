@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
                                   dtype=args.dtype, compile=args.compile, speculation=args.speculation,
                                   draft_vocab=args.draft_vocab)
             tokenizer = check_pair(cfg)
-            engine = build_engine(cfg)
+            engine = build_engine(cfg, checked=True)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
         prompt_ids = tokenizer(args.prompt)["input_ids"]

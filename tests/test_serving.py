@@ -105,6 +105,14 @@ def test_stop_strings_in_both_modes(server, client):
     last = chunks[-1].model_extra
     assert chunks[-1].choices[0].finish_reason == "stop" and sum(last["speculative"]["rounds_by_k"]) > 0
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # the round that completes the stop string is the request's last: plain, a token a round, the
+    # rounds are the tokens through the stop string, streamed or not
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=stop,
+                                      stream=stream, extra_body={"speculative": {"enabled": False}})
+        r = list(r)[-1] if stream else r
+        assert sum(r.model_extra["speculative"]["rounds_by_k"]) == r.usage.completion_tokens == \
+            full.usage.completion_tokens, stream
 
 
 def test_a_non_streamed_request_times_its_rounds(server, client):

@@ -404,7 +404,7 @@ class SpeculativeEngine:
     def _run(self) -> None:
         while True:
             with self.lock:
-                if not self.stopping and not self.waiting and not self.running:
+                if not self.stopping and not self.waiting and not self.running and self._moved is None:
                     # idle; while degraded, wake up now and then to pick up a recovered proposer
                     self.work.wait(timeout=0.25 if self.degraded is not None else None)
                 if self.stopping:
