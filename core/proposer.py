@@ -83,6 +83,12 @@ class Proposer:
     def release(self, seq_id: str) -> None:
         pass
 
+    def due(self, seq_id: str) -> bool:
+        """Whether the sequence needs a call now, drafts or not, to stay alive on the proposer (a
+        remote drafter reclaims a sequence it has not heard of for its TTL). The engine then
+        sends its committed tokens with k = 0, even while the drafter rests."""
+        return False
+
     def release_many(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self.release(seq_id)

@@ -273,7 +273,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 pipeline_hits=getattr(self.proposer, "hits", 0),
                                 pipeline_misses=getattr(self.proposer, "misses", 0),
                                 protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype),
-                                fanout=self.fanout)
+                                fanout=self.fanout, seq_ttl_s=self.seq_ttl_s)
 
 
 def _to_host(probs: list) -> list:

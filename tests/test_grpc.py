@@ -583,3 +583,56 @@ def test_a_reply_left_unread_past_its_deadline_does_not_end_the_stream(stub, mon
     monkeypatch.undo()
     remote.release("unread")
     remote.client.close()
+
+
+def test_a_long_rest_keeps_the_drafters_sequences_alive():
+    """A remote drafter reclaims a sequence it has not heard of for its TTL (InfoReply.seq_ttl_s),
+    and a Propose for a reclaimed one fails the drafter for every sequence. Under a veto of the
+    adaptive policy's guard the engine sends the drafter nothing, and until stop 48 a veto longer
+    than the TTL ended that way. Now a sequence with no call for a quarter of the TTL gets one
+    (its committed tokens, k = 0): after a veto of 4 TTLs drafting resumes with no failure, the
+    drafter reclaimed nothing, and greedy output equals plain decoding."""
+    import time
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+    from specserve.verifier.policy import PassCosts
+
+    target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
+    want = SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate([1, 2, 3], 120, SamplingParams(), 0)
+    ttl = 0.4
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, seq_ttl_s=ttl)
+    try:
+        proposer = RemoteProposer(f"127.0.0.1:{port}")
+        assert proposer.client.info.seq_ttl_s == pytest.approx(ttl)
+        engine = SpeculativeEngine(ModelRunner(target, slots=2), proposer, eos_ids=set(), speculation="adaptive",
+                                   max_k=4)
+        engine.policy.costs = PassCosts({(b, w): 0.05 for b in (1, 2) for w in (1, 2, 3, 4, 5)})  # wide passes no dearer
+        engine.policy.draft_costs.clear()
+        engine.policy.observe_draft("draft_model", 1, 1, 0.0)  # and drafting free: the model speculates
+        req = engine.submit([1, 2, 3], 120, SamplingParams(), k=4)
+        for _ in range(3):
+            engine.step()
+        drafted = sum(req.stats.rounds_by_k[1:])
+        assert drafted == 3
+        guard, policy = engine.policy.guard, engine.policy
+        guard.until[guard.bucket(1)] = policy.rounds + 1000  # a veto
+        joined = engine.submit([4, 5, 6], 60, SamplingParams(), k=4)  # rests: started on the drafter after the veto,
+        t0 = time.monotonic()  # and a Start is when the drafter reclaims what went unheard of for its TTL
+        for _ in range(30):  # 4 TTLs
+            engine.step()
+            time.sleep(4 * ttl / 30)
+        assert time.monotonic() - t0 > 4 * ttl and sum(req.stats.rounds_by_k[1:]) == drafted  # rested
+        assert joined.resting
+        # speculation resumes at once, in the round after the veto's last (this test is about the drafter,
+        # not the policy's judgement): the joined sequence starts, then both draft
+        policy.mode = "fixed"
+        while not (req.done.is_set() and joined.done.is_set()):
+            engine.step()
+        assert sum(req.stats.rounds_by_k[1:]) > drafted and sum(joined.stats.rounds_by_k[1:]) > 0  # drafting again
+        assert engine.proposer_failures == 0 and engine.degraded is None and servicer.reclaimed == 0
+        assert req.result().token_ids == want.token_ids
+        assert joined.result().token_ids == SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate(
+            [4, 5, 6], 60, SamplingParams(), 0).token_ids
+    finally:
+        server.stop(0)

@@ -203,6 +203,7 @@ class RemoteProposer(Proposer):
         self.vocab_size = self.client.info.vocab_size
         self.max_length = self.client.info.max_length
         self.rounds: dict[str, int] = {}
+        self.sent_at: dict[str, float] = {}  # sequence -> time.monotonic() of its last call
         self.epoch = 0  # connections so far; part of every sequence id on the wire
         self.reconnects = 0
         self._fresh: DrafterClient | None = None  # a new connection, ready to swap in
@@ -270,8 +271,18 @@ class RemoteProposer(Proposer):
         self._call("Start", pb.StartRequest(items=[
             pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
             for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items), settle=False)
+        now = time.monotonic()
         for seq_id, _, _ in items:
             self.rounds[seq_id] = 0
+            self.sent_at[seq_id] = now
+
+    def due(self, seq_id: str) -> bool:
+        """Called last a quarter of the drafter's TTL ago (InfoReply.seq_ttl_s): the drafter
+        reclaims a sequence after its TTL, and a Propose for it is then refused (NOT_FOUND),
+        which fails the drafter for every sequence. A long rest (a veto of the adaptive policy's
+        guard under load) sends a sequence nothing for longer than that."""
+        sent, ttl = self.sent_at.get(seq_id), self.client.info.seq_ttl_s
+        return sent is not None and ttl > 0 and time.monotonic() - sent > ttl / 4
 
     answers_later = True  # `send` now, `receive` later: the engine sends a round's outcome early
 
@@ -312,8 +323,10 @@ class RemoteProposer(Proposer):
         lost, self._lost = self._lost, None
         if lost is not None:  # an earlier Propose failed (read by a Start or Release)
             raise lost
+        now = time.monotonic()
         for item in items:
             self.rounds[item.seq_id] += 1
+            self.sent_at[item.seq_id] = now
         request = pb.ProposeRequest(items=[pb.ProposeItem(
             seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k,
             min_confidence=item.min_confidence)
@@ -343,6 +356,8 @@ class RemoteProposer(Proposer):
         docstring). It first reads the answers to the Proposes in flight if one of them carries
         a released sequence (a Release never overtakes a Propose of its sequence)."""
         known = [s for s in seq_ids if self.rounds.pop(s, None) is not None]
+        for s in known:
+            self.sent_at.pop(s, None)
         if not known:
             return
         self._read_releases(wait=False)
@@ -371,6 +386,7 @@ class RemoteProposer(Proposer):
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:
         self.rounds.clear()
+        self.sent_at.clear()
         with self._releases_lock:
             self._releases = []  # (their sequences are reclaimed on the drafter after its TTL)
         self._unanswered.clear()
@@ -408,4 +424,5 @@ class RemoteProposer(Proposer):
         self.reconnects += 1
         self.max_length = fresh.info.max_length
         self.rounds.clear()
+        self.sent_at.clear()
         return True

@@ -852,7 +852,8 @@ class SpeculativeEngine:
     def _propose(self, running: list[Request], ks: list[int]) -> tuple[list[Draft], float]:
         """One batched call per proposer in use. A drafter sequence that drafts nothing this round
         still sends its committed tokens once CATCH_UP_TOKENS have piled up (k = 0: the drafter
-        stays caught up, so speculating again costs no long catch-up). Drafts asked for early (at
+        stays caught up, so speculating again costs no long catch-up), and, even while the drafter
+        rests, once the proposer says it is `due` (a remote drafter would reclaim it). Drafts asked for early (at
         the end of the last round) are collected first and serve every sequence that wants at
         most as many (a draft's first k tokens are what drafting k gives); the others are drafted
         in the call."""
@@ -864,7 +865,7 @@ class SpeculativeEngine:
             if self._early and name == "draft_model":
                 t_draft += self._collect_early(running, ks, drafts, served)
             rows = [i for i, r in enumerate(running) if r.via == name and i not in served
-                    and (ks[i] > 0 or (name == "draft_model" and len(r.unsent) >= catch_up))]
+                    and (ks[i] > 0 or (name == "draft_model" and (len(r.unsent) >= catch_up or proposer.due(r.id))))]
             if not rows:
                 continue
             t0 = time.perf_counter()
