@@ -190,7 +190,8 @@ def make_items(args, target: str, n: int) -> list[dict]:
 
 def request_body(ep, item: dict, args) -> dict:
     body = {"model": ep.model, "prompt": item["prompt"], "max_tokens": item["max_tokens"], "stream": True,
-            "ignore_eos": True, "temperature": args.temperature, "seed": item["seed"]}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": args.temperature,
+            "seed": item["seed"]}
     if args.k is not None:
         body["speculative"] = {"enabled": args.k > 0, "k": args.k}
     return body
@@ -212,10 +213,11 @@ async def one_request(ac, ep, item: dict, args) -> dict:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     rec["code"], rec["error"] = "stream_error", chunk["error"]["message"][:300]
-                elif chunk.get("usage"):
+                elif chunk.get("usage"):  # (the last chunk, with no choices: stream_options.include_usage)
                     rec["tokens"] = chunk["usage"]["completion_tokens"]
-                    rec["k"] = (chunk.get("speculative") or {}).get("k")
-                elif chunk["choices"][0]["text"]:
+                elif chunk.get("speculative"):  # the finish chunk
+                    rec["k"] = chunk["speculative"].get("k")
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
                     rec["chunks"].append(time.monotonic())
     except Exception as e:  # a broken connection or a timeout: counted as a failure
         rec["code"], rec["error"] = f"exception:{type(e).__name__}", str(e)[:300]

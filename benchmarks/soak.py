@@ -90,6 +90,8 @@ async def client_loop(ac, ep, prompts, rng, stop_at, records):
         stream = rng.random() < 0.5
         body = {"model": ep.model, "prompt": rng.choice(prompts), "max_tokens": rng.randint(16, 128),
                 "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(1 << 30), "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         t0, rec = time.monotonic(), {"stream": stream}
         try:
             if stream:

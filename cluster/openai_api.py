@@ -71,7 +71,7 @@ def parse_json(raw: bytes):
 class CompletionRequest:
     model: str
     prompt: str | list[int]
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None (chat, not given): what the context leaves after the prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -82,6 +82,7 @@ class CompletionRequest:
     k: int | None = None  # None: the deployment's k (the most per round under the adaptive policy)
     method: str | None = None  # the proposer: draft_model, ngram or none (None: the deployment's default)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage, as OpenAI's
 
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing
@@ -93,10 +94,19 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
                ("presence_penalty", (None, 0), "no penalties: they would change the target's distribution"),
                ("frequency_penalty", (None, 0), "no penalties: they would change the target's distribution"),
                ("logit_bias", (None, {}), "no logit bias"))
+# and chat fields: tools and structured output (what does not ask for them is accepted)
+CHAT_UNSUPPORTED = (("tools", (None, []), "no tool calls"),
+                    ("functions", (None, []), "no function calls"),
+                    ("tool_choice", (None, "none", "auto"), "no tool calls"),
+                    ("function_call", (None, "none", "auto"), "no function calls"),
+                    ("response_format", (None, {"type": "text"}), "text only: no JSON mode or schema"))
+SEED_RANGE = 2 ** 63  # seeds are taken modulo this (OpenAI's are any int64: -1 included)
 
 
-def parse_completion(body, default_model: str) -> CompletionRequest:
-    """Validates a /v1/completions body; raises APIError(400) with the offending param."""
+def parse_completion(body, default_model: str, chat: bool = False) -> CompletionRequest:
+    """Validates a /v1/completions body (or, chat, a chat body with its prompt put in); raises
+    APIError(400) with the offending param. max_tokens defaults to 16 for completions (OpenAI's
+    legacy default) and, for chat, to None: as much as the context leaves."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
@@ -118,20 +128,30 @@ def parse_completion(body, default_model: str) -> CompletionRequest:
                        "prompt")
     else:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
-    for name, inert, what in UNSUPPORTED:  # asked for, not done: a clear 400, not a 200 that ignores it
-        if body.get(name) not in inert:
+    for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
+        if body.get(name) not in inert:  # 400, not a 200 that ignores it
             raise _bad(f"'{name}' is not supported ({what})", name, "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
-    req.max_tokens = _get(body, "max_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
+    default = None if chat else 16
+    req.max_tokens = _get(body, "max_tokens", default, _is_int, lambda v: v >= 1, "an integer >= 1")
     if body.get("max_tokens") is None:  # the chat API's newer name for it (what the openai client sends)
-        req.max_tokens = _get(body, "max_completion_tokens", 16, _is_int, lambda v: v >= 1, "an integer >= 1")
+        req.max_tokens = _get(body, "max_completion_tokens", default, _is_int, lambda v: v >= 1, "an integer >= 1")
     req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v == 0 or v >= MIN_TEMPERATURE,
                                  f"0 (greedy) or a number >= {MIN_TEMPERATURE}"))
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
     top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)")
     req.top_k = max(top_k, 0)
-    req.seed = _get(body, "seed", None, _is_int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2^63)")
+    seed = _get(body, "seed", None, _is_int, lambda v: -2 ** 63 <= v < 2 ** 64, "a 64-bit integer")
+    req.seed = None if seed is None else seed % SEED_RANGE
     req.stream = _get(body, "stream", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
+    options = body.get("stream_options")
+    if options is not None:
+        if not req.stream:
+            raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or \
+                not all(isinstance(options.get(key, False), bool) for key in options):
+            raise _bad("'stream_options' must be an object with optional boolean 'include_usage'", "stream_options")
+        req.include_usage = options.get("include_usage", False)
     req.ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
     n = _get(body, "n", 1, _is_int, lambda v: True, "an integer")
     if n != 1:
@@ -184,9 +204,12 @@ def chat_prompt(body, tokenizer) -> str:
         raise APIError(400, "this model has no chat template; use /v1/completions", code="chat_template_missing")
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and _is_text(m.get("role")) and _is_text(m.get("content"))
+            isinstance(m, dict) and _is_text(m.get("role")) and (_is_text(m.get("content"))
+                                                                 or isinstance(m.get("content"), list))
             for m in messages):
-        raise _bad("'messages' must be a non-empty list of {role, content} objects with string content", "messages")
+        raise _bad("'messages' must be a non-empty list of {role, content} objects, content a string or a list of "
+                   "text parts", "messages")
+    messages = [{**m, "content": _text_of(m["content"])} for m in messages]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template's own checks (roles must alternate, ...): the request's fault
@@ -271,8 +294,40 @@ class Detokenizer:
         return delta
 
 
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def _text_of(content) -> str:
+    """A message's content: a string, or a list of parts of which only text ones are supported."""
+    if isinstance(content, str):
+        return content
+    if not all(isinstance(p, dict) and p.get("type") == "text" and _is_text(p.get("text")) for p in content):
+        raise _bad("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages",
+                   "unsupported_value")
+    return "".join(p["text"] for p in content)
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int], chat: bool) -> list[int]:
+    """A prompt's token ids. A chat prompt, the chat template's text, already has whatever
+    special tokens the template puts in (a BOS, most often): the tokenizer adds none of its own."""
+    if not isinstance(prompt, str):
+        return prompt
+    return tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
+
+
+def completion_id(chat: bool = False) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def role_chunk(cid: str, model: str) -> dict:
+    """A streamed chat's first chunk, as OpenAI's: the assistant's role, no content yet."""
+    chunk = completion_chunk(cid, model, "", None, chat=True)
+    chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    return chunk
+
+
+def usage_chunk(cid: str, model: str, usage: dict, chat: bool) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    chunk = completion_chunk(cid, model, "", None, chat)
+    chunk["choices"], chunk["usage"] = [], usage
+    return chunk
 
 
 def completion_chunk(cid: str, model: str, text: str, finish_reason: str | None, chat: bool = False) -> dict:

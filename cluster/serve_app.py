@@ -30,7 +30,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
-                                          completion_response, parse_completion, parse_json, speculative_block)
+                                          completion_response, parse_completion, parse_json, prompt_token_ids,
+                                          role_chunk, speculative_block, usage_chunk)
 from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
 
 log = logging.getLogger("specserve.serve")
@@ -138,9 +139,16 @@ class PairReplica:
         k = self.k if request["speculative"] else 0
         if request.get("k") is not None and k:
             k = request["k"]
+        max_tokens = request["max_tokens"]
+        if max_tokens is None:  # (chat without max_tokens: as OpenAI's, up to the end of the context)
+            max_tokens = self.engine.max_length - len(request["prompt_ids"])
+            if max_tokens < 1:
+                yield {"error": {"status": 400, "message": f"the prompt ({len(request['prompt_ids'])} tokens) "
+                                 f"fills the context of {self.engine.max_length} tokens"}}
+                return
         try:
             self.engine.submit(
-                request["prompt_ids"], request["max_tokens"], SamplingParams(**request["sampling"]), k,
+                request["prompt_ids"], max_tokens, SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
                 on_tokens=None if coalesce and watch is None else on_tokens,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
@@ -313,8 +321,15 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.cfg.model, "object": "model", "created": 0,
-                                             "owned_by": "specserve"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        self._authorize(request)
+        if model != self.cfg.model:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model!r}",
+                           param="model", code="model_not_found")
+        return self._model_card()
 
     @app.get("/metrics")
     async def metrics(self):
@@ -336,10 +351,13 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._json(request)
         prompt = chat_prompt(body, self.tokenizer)
-        req = parse_completion({**body, "prompt": prompt}, self.cfg.model)
+        req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
         return await self._serve(req, prompt, chat=True)
 
     # ------------------------------------------------------------------ helpers
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "specserve"}
+
     def _authorize(self, request: Request) -> None:
         """With an API key configured, /v1/* need `Authorization: Bearer <key>` (as vLLM's server)."""
         if self.api_key is None:
@@ -361,7 +379,7 @@ class OpenAIIngress:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
         try:
-            prompt_ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+            prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat)
         except Exception as e:  # whatever the tokenizer refuses is the request's fault, not the server's
             raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         if not prompt_ids:
@@ -375,7 +393,7 @@ class OpenAIIngress:
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}
         stream = self.pair.options(stream=True).generate.remote(upstream)
-        cid, timer = completion_id(), self.metrics.timer()
+        cid, timer = completion_id(chat), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop)
         try:
             first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
@@ -432,8 +450,12 @@ class OpenAIIngress:
         return completion_response(cid, req.model, text, finish_reason, usage, spec, chat=chat)
 
     async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer):
+        """The SSE stream: (chat: the role first, as OpenAI's) text chunks, the finish chunk with
+        the `speculative` block, and with stream_options.include_usage a usage chunk; then [DONE]."""
         final, n_tokens = None, 0
         try:
+            if chat:
+                yield sse_event(role_chunk(cid, req.model))
             async for item in self._items(first, stream):
                 if "token_ids" in item:
                     if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
@@ -452,8 +474,10 @@ class OpenAIIngress:
             n_tokens = detok.tokens_used() if detok.stopped else n_tokens
             done = self._finish(cid, req, prompt_ids, detok.text, final, n_tokens, detok.stopped, chat, timer)
             last = completion_chunk(cid, req.model, "", done["choices"][0]["finish_reason"], chat)
-            last["usage"], last["speculative"] = done["usage"], done["speculative"]
+            last["speculative"] = done["speculative"]
             yield sse_event(last)
+            if req.include_usage:
+                yield sse_event(usage_chunk(cid, req.model, done["usage"], chat))
         except APIError as e:
             yield sse_event(e.body())
         finally:  # also runs when the client disconnects mid-stream

@@ -128,6 +128,63 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tok):
     assert e.value.status == 400 and "roles must alternate" in e.value.message
 
 
+def test_chat_fields_asked_for_and_not_done_are_400s_and_the_rest_is_accepted():
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+                         ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
+                         ("response_format", {"type": "json_object"})):
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": "p", field: value}, "m", chat=True)
+        assert e.value.param == field and e.value.code == "unsupported_value"
+    req = parse_completion({"model": "m", "prompt": "p", "tools": [], "tool_choice": "auto",
+                            "response_format": {"type": "text"}}, "m", chat=True)
+    assert req.max_tokens is None  # chat: up to the end of the context, as OpenAI's (completions: 16)
+    assert parse_completion({"model": "m", "prompt": "p"}, "m").max_tokens == 16
+
+
+def test_seeds_are_any_64_bit_integer_and_stream_options_need_a_stream():
+    assert parse_completion({"model": "m", "prompt": "p", "seed": -1}, "m").seed == 2 ** 63 - 1
+    assert parse_completion({"model": "m", "prompt": "p", "seed": 5}, "m").seed == 5
+    with pytest.raises(APIError):
+        parse_completion({"model": "m", "prompt": "p", "seed": 2 ** 64}, "m")
+    body = {"model": "m", "prompt": "p", "stream_options": {"include_usage": True}}
+    assert parse_completion({**body, "stream": True}, "m").include_usage
+    for bad in (body, {**body, "stream": True, "stream_options": {"include_usage": "yes"}},
+                {**body, "stream": True, "stream_options": {"other": True}}):
+        with pytest.raises(APIError) as e:
+            parse_completion(bad, "m")
+        assert e.value.param == "stream_options"
+
+
+def test_chat_content_parts_and_one_bos():
+    """Text parts are the text; other parts are a 400. The template's text has the BOS the
+    template writes, and the tokenizer adds none of its own (it would for a completion)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from specserve.cluster.openai_api import chat_prompt, prompt_token_ids
+    from specserve.training.tiny import EOS, tiny_tokenizer
+    tok = tiny_tokenizer()
+    bos = tok.convert_tokens_to_ids(EOS)  # (the tiny tokenizer's one special token, as its BOS)
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{EOS} $A", special_tokens=[(EOS, bos)])
+    tok.bos_token = EOS
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    parts = chat_prompt({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                                   {"type": "text", "text": "there"}]}]}, tok)
+    assert parts == chat_prompt({"messages": [{"role": "user", "content": "hi there"}]}, tok)
+    assert prompt_token_ids(tok, parts, chat=True).count(bos) == 1
+    assert prompt_token_ids(tok, "hi", chat=False)[0] == bos
+    with pytest.raises(APIError) as e:
+        chat_prompt({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                    tok)
+    assert e.value.code == "unsupported_value"
+
+
+def test_a_model_without_a_chat_template_refuses_chat(tok):
+    from specserve.cluster.openai_api import chat_prompt
+    with pytest.raises(APIError, match="no chat template") as e:  # (the demo pair has none)
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, tok)
+    assert e.value.status == 400
+
+
 def test_small_but_sane_temperature_is_accepted():
     assert parse_completion({"model": "m", "prompt": "p", "temperature": 0.001}, "m").temperature == 0.001
 

@@ -100,18 +100,24 @@ def test_stop_strings_in_both_modes(server, client):
     assert spec["enabled"] and sum(spec["rounds_by_k"]) > 0 and 0 < full.usage.completion_tokens < 30
     assert metric(server, "specserve_spec_decode_chosen_k_count") - rounds == sum(spec["rounds_by_k"])
     chunks = list(client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=stop,
-                                            stream=True))
+                                            stream=True, stream_options={"include_usage": True}))
+    *chunks, usage = chunks
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     last = chunks[-1].model_extra
     assert chunks[-1].choices[0].finish_reason == "stop" and sum(last["speculative"]["rounds_by_k"]) > 0
-    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert usage.choices == [] and usage.usage.completion_tokens == full.usage.completion_tokens
     # the round that completes the stop string is the request's last: plain, a token a round, the
     # rounds are the tokens through the stop string, streamed or not
     for stream in (False, True):
         r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0, stop=stop,
-                                      stream=stream, extra_body={"speculative": {"enabled": False}})
-        r = list(r)[-1] if stream else r
-        assert sum(r.model_extra["speculative"]["rounds_by_k"]) == r.usage.completion_tokens == \
+                                      stream=stream, extra_body={"speculative": {"enabled": False}},
+                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            *_, r, last = r
+            usage = last.usage
+        else:
+            usage = r.usage
+        assert sum(r.model_extra["speculative"]["rounds_by_k"]) == usage.completion_tokens == \
             full.usage.completion_tokens, stream
 
 
@@ -146,11 +152,37 @@ def test_bad_input_is_a_400_with_our_message(client, kwargs, param):
         assert body["param"] == param
 
 
-def test_unknown_model_and_missing_chat_template(client):
+def test_unknown_model(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="hi", max_tokens=3)
-    with pytest.raises(openai.BadRequestError, match="no chat template"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_chat_as_openai_s(client):
+    """The tiny pair's chat template: without max_tokens a reply runs to the end of the context
+    (not 16 tokens); a stream starts with the assistant's role and equals the reply; content as
+    text parts is the same prompt; usage comes in a last chunk only when asked for."""
+    messages = [{"role": "user", "content": "def f(x):"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert full.id.startswith("chatcmpl-") and full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens + full.usage.completion_tokens == 512  # the tiny target's context
+    assert full.choices[0].finish_reason == "length"
+    short = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == short.choices[0].message.content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]}]
+    with_usage = list(client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=20,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == short.usage.completion_tokens
+    assert "".join(c.choices[0].delta.content or "" for c in with_usage[:-1]) == short.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["code"] == "unsupported_value"
 
 
 def test_models_health_and_bad_json(server):

@@ -104,7 +104,8 @@ def test_drafter_killed_mid_stream(base, tiny_pair_dir):
         assert again["pid"] not in (pid, info["pid"]) and again["reconnects"] == info["reconnects"] + 1
         after = client.completions.create(prompt=prompts[0], **body)
         assert after.choices[0].text == plain[0]
-        assert after.model_extra["speculative"]["num_accepted_tokens"] > 0  # speculation resumed
+        spec = after.model_extra["speculative"]  # speculation resumed, with the drafter (random tiny models:
+        assert spec["drafts_by_method"].get("draft_model", 0) > 0 and spec["num_draft_tokens"] > 0  # they agree by chance)
     finally:
         serve.delete("faulty")
 

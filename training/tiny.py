@@ -13,6 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
+# a ChatML-style chat template, so the tiny pairs serve /v1/chat/completions too
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -48,8 +51,10 @@ def tiny_model(arch: str, vocab_size: int, seed: int, hidden: int = 32, layers: 
 
 
 def make_tiny_pair(out_dir: str, seed: int = 0, vocab_size: int = 300) -> tuple[str, str]:
-    """Writes out_dir/target (Llama, 4 layers) and out_dir/drafter (Llama, 1 layer), same tokenizer."""
+    """Writes out_dir/target (Llama, 4 layers) and out_dir/drafter (Llama, 1 layer), same tokenizer
+    (with a chat template)."""
     tok = tiny_tokenizer(vocab_size)
+    tok.chat_template = CHAT_TEMPLATE
     eos = tok.convert_tokens_to_ids(EOS)
     paths = []
     for name, hidden, layers, s in (("target", 64, 4, seed), ("drafter", 32, 1, seed + 1)):
