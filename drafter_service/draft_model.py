@@ -86,7 +86,13 @@ class DraftModelProposer(Proposer):
             slot = min(self.free)  # the lowest free slot (see fast_llama: slots 0..b-1 are a view)
             self.free.remove(slot)
             seqs.append(_Seq(slot, params, list(prompt_ids), list(prompt_ids[:-1])))
-        self.runner.prefill_batch([(seq.slot, seq.cached) for seq in seqs], vocab=True)  # its logits are not read
+        try:
+            self.runner.prefill_batch([(seq.slot, seq.cached) for seq in seqs], vocab=True)  # its logits are not read
+        except BaseException:  # none started: their slots go back
+            for seq in seqs:
+                self.runner.release(seq.slot)
+                self.free.append(seq.slot)
+            raise
         self.seqs.update(zip(ids, seqs))
 
     def release(self, seq_id: str) -> None:

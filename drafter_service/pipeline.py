@@ -249,13 +249,15 @@ class PipelinedProposer(Proposer):
             self.preparing[s].append(out)
         try:
             drafts = self.inner.propose_seqs(seqs, asks, stop=self.interrupt.is_set)
-        except Interrupted:  # the verifier is back with an outcome nobody prepares: it goes first
-            self.interrupted += 1
-            for s in ids:
+        except BaseException as e:  # Interrupted: the verifier is back with an outcome nobody prepares, it
+            for s in ids:  # goes first; anything else (out of memory, ...): undone too, and raised (see the server)
                 self.inner.uncommit(s, bases[s])
                 self.guessed.pop(s, None)
             for _, _, b in branches:
                 self.inner.drop_branch(b)
+            if not isinstance(e, Interrupted):
+                raise
+            self.interrupted += 1
             return
         finally:
             self.preparing = {}

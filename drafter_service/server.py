@@ -23,6 +23,7 @@ preparations), for benchmarks to split a remote round into drafting and transpor
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from concurrent import futures
@@ -38,6 +39,8 @@ from specserve.drafter.pipeline import PipelinedProposer
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import PROTOCOL_VERSION, WIRE_DTYPES, dtype_code, q_to_proto, sampling_from_proto
+
+log = logging.getLogger("specserve.drafter")
 
 MAX_K = 64
 BRANCH_SEQUENCES = 4  # branch slots are kept for this many sequences' fan-out (pipelining pays at small batches)
@@ -118,10 +121,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @contextlib.contextmanager
     def _locked(self):
         """The model lock, with pending releases applied first (and after: any that came in meanwhile)."""
-        with self.lock:
-            self._apply_releases()
-            yield
-        self._drain_releases()
+        try:
+            with self.lock:
+                self._apply_releases()
+                yield
+        finally:  # (a refused call too)
+            self._drain_releases()
 
     def _apply_releases(self) -> None:
         """Under the model lock."""
@@ -165,8 +170,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         for item in request.items:  # validate everything before touching state
             if not item.seq_id:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
-            if item.seq_id in self.inner.seqs:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"sequence {item.seq_id!r} already started")
             prompt = self._check_tokens(item.prompt_ids, "prompt_ids")
             if not prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sequence {item.seq_id!r}: empty prompt")
@@ -174,7 +177,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"prompt of {len(prompt)} tokens exceeds the "
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
-        with self._locked():
+        with self._locked():  # (a release of the same id sent before this Start is applied first)
+            ids = [seq_id for seq_id, _, _ in items]
+            for seq_id in ids:
+                if seq_id in self.inner.seqs or ids.count(seq_id) > 1:
+                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id!r} already started")
             self._reclaim_idle()
             if self.live_sequences + len(items) > self.max_sequences:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -239,13 +246,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return reply
 
     def _speculate(self, versions: dict[str, int]) -> None:
-        with self._locked():
-            t0 = time.perf_counter()
-            # skip sequences released since, or whose verifier already came back: nothing to hide
-            current = [s for s, v in versions.items() if self.versions.get(s) == v]
-            if current:
-                self.proposer.speculate(current)
-                self.times.add("preparations", prepare=time.perf_counter() - t0)
+        """Background: prepares the drafts of the sequences just answered. A failure here (undone
+        by the proposer) is logged; their next Propose drafts on demand."""
+        try:
+            with self._locked():
+                t0 = time.perf_counter()
+                # skip sequences released since, or whose verifier already came back: nothing to hide
+                current = [s for s, v in versions.items() if self.versions.get(s) == v]
+                if current:
+                    self.proposer.speculate(current)
+                    self.times.add("preparations", prepare=time.perf_counter() - t0)
+        except Exception:
+            log.exception("preparing drafts for %d sequences failed", len(versions))
 
     def Release(self, request, context):
         """Answered at once: applied now if the lock is free, else by its holder when it is done."""

@@ -226,11 +226,21 @@ def test_a_hung_drafter_fails_the_stream_within_its_deadline(stub, monkeypatch):
     monkeypatch.setattr(client_module, "deadline", lambda method, tokens=0: 0.5)
     with servicer.lock:  # the drafter is busy for good
         t0 = time.monotonic()
-        with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
+        with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED") as e:
             remote.propose([ProposeItem("hung", [4], 2)])
         assert 0.5 <= time.monotonic() - t0 < 2.0
     monkeypatch.undo()
-    remote.release("hung")
+    # the engine gives the connection up and reconnects: the drafter, up all along, frees the old
+    # connection's sequences at once (until stop 48 they held its slots until their TTL, 600 s)
+    remote.mark_failed(e.value)
+    deadline = time.monotonic() + 10
+    while not remote.recovered():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert remote.epoch == 1
+    while "hung.0" in servicer.inner.seqs:
+        assert time.monotonic() < deadline, "the old connection's sequence was not released"
+        time.sleep(0.05)
     remote.client.close()
 
 
@@ -636,3 +646,63 @@ def test_a_long_rest_keeps_the_drafters_sequences_alive():
             [4, 5, 6], 60, SamplingParams(), 0).token_ids
     finally:
         server.stop(0)
+
+
+def test_a_start_after_a_release_of_the_same_id_waits_for_it_and_a_duplicate_is_the_request_s_fault(stub):
+    """A Release the drafter answered but left pending (its model lock was busy) is applied before
+    a Start of the same id: until stop 48 that Start was refused ALREADY_EXISTS, which the client
+    took for a failed drafter (every sequence failed over). A Start of an id that is live is the
+    request's fault: the client raises ValueError (that sequence runs without the drafter), and
+    the engine refuses a request id already in use."""
+    import threading
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+    s, _, servicer = stub
+    start(s, "again")
+    busy = threading.Event()
+    hold_model_lock(servicer, busy, 10.0)
+    s.Release(pb.ReleaseRequest(seq_ids=["again"]), timeout=10)  # answered at once, applied later
+    assert "again" in servicer.inner.seqs
+    threading.Timer(0.3, busy.set).start()
+    start(s, "again")  # waits for the lock, then the release goes first
+    remote = RemoteProposer(servicer.address)
+    remote.start("dup", [1, 2], SamplingParams())
+    remote.rounds.pop("dup")  # (as if the client had lost track of it)
+    with pytest.raises(ValueError, match="already started"):
+        remote.start("dup", [1, 2], SamplingParams())
+    s.Release(pb.ReleaseRequest(seq_ids=["again", "dup.0"]), timeout=10)
+    remote.client.close()
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=0)), None, eos_ids=set())
+    engine.submit([1, 2], 4, SamplingParams(), 0, request_id="same")
+    with pytest.raises(ValueError, match="in use"):
+        engine.submit([1, 2], 4, SamplingParams(), 0, request_id="same")
+
+
+def test_a_failed_preparation_is_undone_and_the_next_propose_drafts_on_demand():
+    """An error while preparing drafts (out of memory on a fan-out pass, say) leaves the sequence
+    as it was: the next Propose's drafts equal on-demand drafting's. Until stop 48 the guessed
+    tokens stayed committed, and the drafter drafted from the wrong context from then on."""
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.drafter.pipeline import PipelinedProposer
+    from specserve.core.proposer import ProposeItem
+    drafter = tiny_model("llama", V, seed=3)
+    plain = DraftModelProposer(ModelRunner(drafter, slots=2))
+    piped = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=2)))
+    params = SamplingParams().with_seed()
+    for p in (plain, piped):
+        p.start("s", [1, 2, 3], params)
+    assert plain.propose([ProposeItem("s", [], 3)])[0].tokens == piped.propose([ProposeItem("s", [], 3)])[0].tokens
+    base = piped.base_length("s")
+    fail = piped.inner.propose_seqs
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of memory")
+    piped.inner.propose_seqs = boom
+    with pytest.raises(RuntimeError, match="out of memory"):
+        piped.speculate(["s"])
+    piped.inner.propose_seqs = fail
+    assert piped.base_length("s") == base and "s" not in piped.guessed
+    outcome = [7, 9]
+    want, got = plain.propose([ProposeItem("s", outcome, 3)])[0], piped.propose([ProposeItem("s", outcome, 3)])[0]
+    assert got.tokens == want.tokens and not got.pipeline_hit

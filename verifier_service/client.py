@@ -214,6 +214,7 @@ class RemoteProposer(Proposer):
         self._lost: Exception | None = None  # a Propose's error read by a Start or Release, not yet raised
         self._releases: list[tuple[grpc.Future, int]] = []  # Releases sent, answers not read (future, sequences)
         self._releases_lock = threading.Lock()  # (a Start may come from a helper thread)
+        self._orphans: list[str] = []  # wire ids of the sequences of connections given up, to release
 
     def _wire_id(self, seq_id: str) -> str:
         return f"{seq_id}.{self.epoch}"
@@ -256,8 +257,8 @@ class RemoteProposer(Proposer):
         code, details = e.code(), e.details()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return CapacityError(details)
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-            return ValueError(details)
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
+            return ValueError(details)  # (the request's fault, not the drafter's: it runs without it)
         return DrafterUnavailable(f"{method} to {self.client.address}: {code.name}: {details}")
 
     def start(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -385,6 +386,7 @@ class RemoteProposer(Proposer):
 
     # ---------------------------------------------------------------- failure and recovery
     def mark_failed(self, error: Exception) -> None:
+        self._orphans += [self._wire_id(s) for s in self.rounds]
         self.rounds.clear()
         self.sent_at.clear()
         with self._releases_lock:
@@ -425,4 +427,9 @@ class RemoteProposer(Proposer):
         self.max_length = fresh.info.max_length
         self.rounds.clear()
         self.sent_at.clear()
+        if self._orphans:  # the last connection's sequences: a drafter still up (the connection was given up
+            orphans, self._orphans = self._orphans, []  # for a missed deadline) frees them now, not after its TTL
+            future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=orphans))
+            with self._releases_lock:
+                self._releases.append((future, len(orphans)))
         return True

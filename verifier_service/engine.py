@@ -326,6 +326,8 @@ class SpeculativeEngine:
         if timeout_s is not None:
             req.deadline = time.monotonic() + timeout_s
         with self.lock:
+            if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running):
+                raise ValueError(f"request id {req.id!r} is in use by a running request")
             if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
                                  f"requests (queue bound {self.max_waiting}); retry later")
