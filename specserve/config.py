@@ -17,7 +17,7 @@ DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "mode
 PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SPECULATION_POLICIES = ("adaptive", "fixed")  # specserve.verifier.policy
-STREAM_INTERVAL_MS = 20.0  # the default: see README, "Streaming"
+STREAM_INTERVAL_MS = 20.0  # the default: see README, "Configuration" (stream_interval_ms)
 
 
 @dataclass
