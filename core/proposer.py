@@ -83,6 +83,10 @@ class Proposer:
     def release(self, seq_id: str) -> None:
         pass
 
+    def abandon(self, seq_ids: list[str]) -> None:
+        """Sequences that a Start put on a connection given up since (a remote drafter failed
+        while the Start ran): forgotten, and released on the drafter once it is back."""
+
     def due(self, seq_id: str) -> bool:
         """Whether the sequence needs a call now, drafts or not, to stay alive on the proposer (a
         remote drafter reclaims a sequence it has not heard of for its TTL). The engine then

@@ -193,3 +193,54 @@ def test_sampled_tokens_stay_exact_across_drafter_faults():
     resumed = sum(r.stats.drafts_by_method.get("draft_model", 0) > b for r, b in zip(reqs, before))
     assert fallback > len(reqs) // 5 and resumed > len(reqs) // 5, (fallback, resumed)  # 45% and 41% in a trial
     assert_follows([r.out for r in reqs], sequence_probs(target, prompt, SamplingParams(**params), length))
+
+
+def test_a_drafter_that_fails_again_as_it_comes_back_leaves_the_fallback_drafting(models):
+    """The drafter is back (the sequences leave the n-gram proposer for it) and fails again in the
+    same step: the sequences go back to the n-gram proposer and draft there. Until stop 48 their
+    n-gram state was released only after the step, so starting them on it again was refused
+    ("already started") and they decoded without speculation until the next recovery."""
+    target, drafter = models
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False)
+    try:
+        engine = SpeculativeEngine(ModelRunner(target, slots=2), RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set(),
+                                   max_num_seqs=2, ngram=True)
+        reqs = [engine.submit(p, N, SamplingParams(), k=3) for p in PROMPTS[:2]]
+        engine.step()
+        assert all(r.via == "draft_model" for r in reqs)
+        engine._proposer_failed(ConnectionError("a failure"))  # (the drafter is up: the reconnect finds it)
+        assert all(r.via == "ngram" for r in reqs)
+        assert eventually(lambda: engine.proposer._fresh is not None, within_s=10)
+        engine._resume_if_recovered()
+        assert engine.degraded is None and all(r.via == "draft_model" for r in reqs)
+        engine._proposer_failed(ConnectionError("and again"))  # within the same step
+        assert all(r.via == "ngram" for r in reqs)
+        step_until(engine, lambda: all(r.done.is_set() for r in reqs))
+        assert [r.result().token_ids for r in reqs] == [plain(target, p) for p in PROMPTS[:2]]
+        assert all(r.stats.drafts_by_method.get("ngram", 0) > 0 for r in reqs)
+    finally:
+        server.stop(0)
+
+
+def test_a_step_that_fails_outside_its_round_fails_its_requests_not_the_loop(models):
+    """An exception where no round's handler catches it (here: releasing finished sequences)
+    fails the requests in flight, and the loop serves the next request. Until stop 48 the loop's
+    thread died of it: every request, queued or new, waited for good."""
+    target, _ = models
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), None, eos_ids=set(), max_num_seqs=2)
+    release = engine._release_finished
+    broken = [True]
+
+    def release_once():
+        if broken.pop() if broken else False:
+            raise RuntimeError("a bug")
+        release()
+    engine._release_finished = release_once
+    engine.start()
+    try:
+        first = engine.submit(PROMPTS[0], N, SamplingParams(), k=0)
+        assert first.done.wait(30) and isinstance(first.error, RuntimeError)
+        assert engine.health()["status"] == "ok" and engine.free_slots and not engine.running
+        assert engine.generate(PROMPTS[1], N, SamplingParams(), k=0).token_ids == plain(target, PROMPTS[1])
+    finally:
+        engine.stop()

@@ -385,8 +385,14 @@ class RemoteProposer(Proposer):
                 log.warning("release of %d sequences failed: %s", n, self._error("Release", e))
 
     # ---------------------------------------------------------------- failure and recovery
+    def abandon(self, seq_ids: list[str]) -> None:
+        for s in seq_ids:
+            if self.rounds.pop(s, None) is not None:
+                self.sent_at.pop(s, None)
+                self._orphans.append(self._wire_id(s))
+
     def mark_failed(self, error: Exception) -> None:
-        self._orphans += [self._wire_id(s) for s in self.rounds]
+        self._orphans += [self._wire_id(s) for s in list(self.rounds)]  # (a Start's helper thread may add to it)
         self.rounds.clear()
         self.sent_at.clear()
         with self._releases_lock:

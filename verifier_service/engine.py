@@ -412,7 +412,21 @@ class SpeculativeEngine:
                 if self.stopping:
                     return
             with self.step_lock:
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:  # outside a round's own handling: its requests fail, never the loop
+                    log.exception("a step failed")
+                    self._fail_in_flight(e)
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fails the running and admitting requests (a step raised where nothing else caught it:
+        until stop 48 the loop's thread died of it, and every request hung)."""
+        with self.lock:
+            reqs, self._admitting = self.running + self._admitting, []
+        for req in reqs:
+            if not req.done.is_set():
+                req.error = error
+                self._finish(req, "error")
 
     def step(self) -> None:
         """One round for every running sequence."""
@@ -498,9 +512,11 @@ class SpeculativeEngine:
                 req.via = name
 
     def _stop_drafting(self, req: Request) -> None:
-        if req.via is not None:  # released after the round, outside the locks (a network call)
+        if req.via == "ngram":  # local: released now, so a start on it again (a drafter that fails
+            self.proposers["ngram"].release(req.id)  # again in this step) finds it gone
+        elif req.via is not None:  # released after the round, outside the locks (a network call)
             self._to_release.append((req.via, req.id))
-            req.via = None
+        req.via = None
 
     def _proposer_failed(self, error: Exception) -> None:
         """Every drafter sequence continues on the n-gram proposer (or target-only) until the
@@ -519,9 +535,11 @@ class SpeculativeEngine:
                 self._start_drafting(req)
 
     def _resume_if_recovered(self) -> None:
-        if self.degraded is None or not self.proposer.recovered():
+        if self.degraded is None:
             return
-        self._finish_starts()  # (a Start still under way belongs to the connection before)
+        self._finish_starts()  # (a Start still under way belongs to the connection before: done before it goes)
+        if not self.proposer.recovered():
+            return
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
         self._early = self._early_got = None
@@ -684,6 +702,8 @@ class SpeculativeEngine:
         error = outcome.get("error")
         live = [r for r in reqs if r in self.running]
         if failures != self.proposer_failures:  # the drafter failed meanwhile: the fallback takes them
+            if error is None:  # (started on the connection given up: released when the drafter is back)
+                self.proposers["draft_model"].abandon([r.id for r in reqs])
             self._start_drafting_many(live)
             return
         if error is None:
