@@ -244,3 +244,23 @@ def test_a_step_that_fails_outside_its_round_fails_its_requests_not_the_loop(mod
         assert engine.generate(PROMPTS[1], N, SamplingParams(), k=0).token_ids == plain(target, PROMPTS[1])
     finally:
         engine.stop()
+
+
+def test_on_finish_of_a_cancelled_request_may_submit_another(models):
+    """A cancelled (or timed-out) request's on_finish runs outside the engine's lock: a callback
+    that submits a retry does not deadlock the loop (until stop 48 it ran under the lock)."""
+    import threading
+    target, _ = models
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), None, eos_ids=set(), max_num_seqs=2)
+    retried = threading.Event()
+    retry = []
+
+    def again(req):
+        retry.append(engine.submit(PROMPTS[1], 8, SamplingParams(), k=0))
+        retried.set()
+    engine.start()
+    first = engine.submit(PROMPTS[0], 100, SamplingParams(), k=0, on_finish=again)
+    engine.cancel(first.id)
+    assert retried.wait(10), "the loop deadlocked in on_finish"
+    assert first.finish_reason == "cancelled" and retry[0].done.wait(30) and len(retry[0].out) == 8
+    threading.Thread(target=engine.stop, daemon=True).start()  # (a deadlocked loop holds its lock)

@@ -408,7 +408,8 @@ class SpeculativeEngine:
             with self.lock:
                 if not self.stopping and not self.waiting and not self.running and self._moved is None:
                     # idle; while degraded, wake up now and then to pick up a recovered proposer
-                    self.work.wait(timeout=0.25 if self.degraded is not None else None)
+                    # (or a Start under way on its helper thread: handled once done, not at the next request)
+                    self.work.wait(timeout=0.25 if self.degraded is not None or self._starting else None)
                 if self.stopping:
                     return
             with self.step_lock:
@@ -433,12 +434,15 @@ class SpeculativeEngine:
         self._step_started = time.perf_counter()
         self._prefill_seconds = 0.0
         now = time.monotonic()
+        ended: list[Request] = []  # their on_finish runs after the lock (it may submit or cancel)
         with self.lock:
             for req in [r for r in self.waiting if r.cancelled or self._expired(r, now)]:
                 self.waiting.remove(req)
-                self._finish(req, "cancelled" if req.cancelled else "error")
+                self._finish(req, "cancelled" if req.cancelled else "error", notify=False)
+                ended.append(req)
             for req in [r for r in self.running if r.cancelled or self._expired(r, now)]:
-                self._finish(req, "cancelled" if req.cancelled else "error")
+                self._finish(req, "cancelled" if req.cancelled else "error", notify=False)
+                ended.append(req)
             # joining sequences stall the running ones for one batched prefill of at most
             # PREFILL_BUDGET prompt tokens (at least one request); with nothing running there is
             # nobody to stall, and every free slot fills
@@ -448,6 +452,8 @@ class SpeculativeEngine:
                 admit.append(self.waiting.popleft())
                 tokens += len(admit[-1].prompt_ids)
             self._admitting = admit  # off the queue, not yet running: `cancel` finds them here
+        for req in ended:
+            self._notify(req)
         self._finish_starts(wait=False)
         self._release_finished()
         self._take_moved()
@@ -956,14 +962,20 @@ class SpeculativeEngine:
         self._early_got = got
         self._early_waited += waited
 
-    def _finish(self, req: Request, reason: str) -> None:
-        """Frees the request's slots on both sides and wakes its waiter."""
+    def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
+        """Frees the request's slots on both sides and wakes its waiter (notify=False: the caller
+        calls `_notify` later, outside the lock it holds)."""
         if req in self.running:
             self.running.remove(req)
             self.target.release(req.slot)
             self.free_slots.append(req.slot)
             self._stop_drafting(req)
         req.finish_reason = reason
+        if notify:
+            self._notify(req)
+
+    @staticmethod
+    def _notify(req: Request) -> None:
         req.done.set()
         if req.on_finish is not None:
             try:
