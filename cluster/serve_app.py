@@ -404,20 +404,19 @@ class OpenAIIngress:
         if req.stream:
             return StreamingResponse(self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer),
                                      media_type="text/event-stream")
-        text, final, n_tokens = "", None, 0
+        final = None
         try:
             async for item in self._items(first, stream):
                 if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
                     final = item
                     timer.rounds(item.get("rounds", []))
                 if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
-                    n_tokens += len(item["token_ids"])
-                    text += detok.add(item["token_ids"])
+                    detok.add(item["token_ids"])
         finally:
             stream.cancel()  # an error ends the sequence early: free its slots
-        text += detok.flush() if not detok.stopped else ""
-        n_tokens = detok.tokens_used() if detok.stopped else n_tokens
-        return self._finish(cid, req, prompt_ids, text, final, n_tokens, detok.stopped, chat, timer)
+        if not detok.stopped:
+            detok.flush()
+        return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
 
     @staticmethod
     async def _items(first, stream):
@@ -437,22 +436,24 @@ class OpenAIIngress:
         raise APIError(error["status"], error["message"], param="prompt" if error["status"] == 400 else None,
                        headers=headers)
 
-    def _finish(self, cid, req, prompt_ids, text, final, n_tokens, stopped, chat, timer):
-        """The response (or the stream's last chunk), and the request's metrics. A stopped
-        request's usage counts the tokens through its stop string (Detokenizer.tokens_used)."""
+    def _finish(self, cid, req, prompt_ids, detok, final, chat, timer):
+        """The response (or the stream's last chunk) from the request's text, and its metrics. Its
+        usage counts the tokens the text took: through the stop string, if one stopped it
+        (Detokenizer.tokens_used)."""
         stats = final["stats"] if final else {}
-        finish_reason = "stop" if stopped or (final and final["finish_reason"] == "stop") else "length"
+        finish_reason = "stop" if detok.stopped or (final and final["finish_reason"] == "stop") else "length"
+        n_tokens = detok.tokens_used()
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
                  "total_tokens": len(prompt_ids) + n_tokens}
         spec = speculative_block(req.speculative and bool(final and final.get("k")),
                                  final.get("k", 0) if final else 0, stats, final.get("method") if final else None)
         self.metrics.finished(finish_reason, timer.elapsed(), usage, stats)
-        return completion_response(cid, req.model, text, finish_reason, usage, spec, chat=chat)
+        return completion_response(cid, req.model, detok.text, finish_reason, usage, spec, chat=chat)
 
     async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer):
         """The SSE stream: (chat: the role first, as OpenAI's) text chunks, the finish chunk with
         the `speculative` block, and with stream_options.include_usage a usage chunk; then [DONE]."""
-        final, n_tokens = None, 0
+        final = None
         try:
             if chat:
                 yield sse_event(role_chunk(cid, req.model))
@@ -460,7 +461,6 @@ class OpenAIIngress:
                 if "token_ids" in item:
                     if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
                         continue
-                    n_tokens += len(item["token_ids"])
                     timer.tokens(len(item["token_ids"]))
                     delta = detok.add(item["token_ids"])
                     if delta:
@@ -471,8 +471,7 @@ class OpenAIIngress:
                 tail = detok.flush()
                 if tail:
                     yield sse_event(completion_chunk(cid, req.model, tail, None, chat))
-            n_tokens = detok.tokens_used() if detok.stopped else n_tokens
-            done = self._finish(cid, req, prompt_ids, detok.text, final, n_tokens, detok.stopped, chat, timer)
+            done = self._finish(cid, req, prompt_ids, detok, final, chat, timer)
             last = completion_chunk(cid, req.model, "", done["choices"][0]["finish_reason"], chat)
             last["speculative"] = done["speculative"]
             yield sse_event(last)

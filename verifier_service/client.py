@@ -392,9 +392,7 @@ class RemoteProposer(Proposer):
                 self._orphans.append(self._wire_id(s))
 
     def mark_failed(self, error: Exception) -> None:
-        self._orphans += [self._wire_id(s) for s in list(self.rounds)]  # (a Start's helper thread may add to it)
-        self.rounds.clear()
-        self.sent_at.clear()
+        self.abandon(list(self.rounds))  # (a copy: a Start's helper thread may add to it)
         with self._releases_lock:
             self._releases = []  # (their sequences are reclaimed on the drafter after its TTL)
         self._unanswered.clear()

@@ -384,9 +384,7 @@ class SpeculativeEngine:
             self._moved = address
             self.work.notify()
 
-    def _take_moved(self) -> None:
-        with self.lock:
-            moved, self._moved = self._moved, None
+    def _take_moved(self, moved: str | None) -> None:
         client = getattr(self.proposer, "client", None)
         if moved is not None and self.degraded is None and getattr(client, "address", None) == moved:
             self._proposer_failed(ConnectionError(f"the drafter no longer serves at {moved}"))
@@ -424,6 +422,9 @@ class SpeculativeEngine:
         until stop 48 the loop's thread died of it, and every request hung)."""
         with self.lock:
             reqs, self._admitting = self.running + self._admitting, []
+        self._fail(reqs, error)
+
+    def _fail(self, reqs: list[Request], error: Exception) -> None:
         for req in reqs:
             if not req.done.is_set():
                 req.error = error
@@ -436,6 +437,7 @@ class SpeculativeEngine:
         now = time.monotonic()
         ended: list[Request] = []  # their on_finish runs after the lock (it may submit or cancel)
         with self.lock:
+            moved, self._moved = self._moved, None
             for req in [r for r in self.waiting if r.cancelled or self._expired(r, now)]:
                 self.waiting.remove(req)
                 self._finish(req, "cancelled" if req.cancelled else "error", notify=False)
@@ -456,7 +458,7 @@ class SpeculativeEngine:
             self._notify(req)
         self._finish_starts(wait=False)
         self._release_finished()
-        self._take_moved()
+        self._take_moved(moved)
         self._resume_if_recovered()
         if admit:
             self._admit(admit)
@@ -472,10 +474,7 @@ class SpeculativeEngine:
             self._round(running)
         except Exception as e:  # a failed batch (the target's pass) fails its requests, never the loop
             log.exception("round failed")
-            for req in running:
-                if not req.done.is_set():
-                    req.error = e
-                    self._finish(req, "error")
+            self._fail(running, e)
         self._compact()  # (before the next round's admission takes the lowest free slots)
         self._release_finished()
 
