@@ -13,8 +13,10 @@ it between rounds, so before, every round that released a finished sequence wait
 drafter's preparation of all the others (23.5 ms per round at 32 sequences in the batching bench).
 
 A sequence whose verifier went away without a Release (a verifier crash, a lost network) is
-reclaimed once it has had no call for `seq_ttl_s`. The server binds to one address (the node's,
-from the actor) and refuses messages over MAX_MESSAGE_BYTES.
+reclaimed once it has had no call for `seq_ttl_s`. The server pings every connection, and closes
+one whose verifier stopped answering (its host died, its network was cut), which ends its
+ProposeStream (`specserve.proto.transport`). The server binds to one address (the node's, from
+the actor) and refuses messages over `MAX_MESSAGE_BYTES`.
 
 `DrafterTimes` counts where the server's time goes (Propose handlers, the model lock, drafting,
 preparations), for benchmarks to split a remote round into drafting and transport.
@@ -39,12 +41,12 @@ from specserve.drafter.pipeline import PipelinedProposer
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import PROTOCOL_VERSION, WIRE_DTYPES, dtype_code, q_to_proto, sampling_from_proto
+from specserve.proto.transport import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, server_options
 
 log = logging.getLogger("specserve.drafter")
 
 MAX_K = 64
 BRANCH_SEQUENCES = 4  # branch slots are kept for this many sequences' fan-out (pipelining pays at small batches)
-MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_SEQ_TTL_S = 600.0
 
 
@@ -109,6 +111,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.lock = threading.Lock()  # all model work and sequence state, one thread at a time
         self.to_release: set[str] = set()  # released, not applied yet (see `_locked`)
         self.release_lock = threading.Lock()  # guards to_release only
+        self.streams = 0  # ProposeStreams open now (each holds an RPC thread)
+        self.streams_lock = threading.Lock()
         self.background = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculate")
         self.times = DrafterTimes()
 
@@ -198,8 +202,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def ProposeStream(self, request_iterator, context):
         """Propose over one long-lived stream: one reply per request, in order; a refused request
         ends the stream with its status (as Propose would have answered it)."""
-        for request in request_iterator:
-            yield self._handle(context, lambda: self._propose(request))
+        with self.streams_lock:
+            self.streams += 1
+        try:
+            for request in request_iterator:
+                yield self._handle(context, lambda: self._propose(request))
+        finally:
+            with self.streams_lock:
+                self.streams -= 1
 
     def _propose(self, request):
         arrived = time.perf_counter()
@@ -300,15 +310,16 @@ def _to_host(probs: list) -> list:
 
 def serve(model, host: str = "127.0.0.1", port: int = 0, pipeline: bool | str = True, max_sequences: int = 64,
           max_workers: int = 32, seq_ttl_s: float = DEFAULT_SEQ_TTL_S, q_dtype: str = "float32",
-          compile: bool = False, fanout: int = 1, bf16_head: bool = False, vocab: list[int] | None = None):
+          compile: bool = False, fanout: int = 1, bf16_head: bool = False, vocab: list[int] | None = None,
+          keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S):
     """Starts the gRPC server on host:port (one interface: the Ray actor passes its node's
     address); returns (server, bound_port, servicer). max_workers: RPC threads; each open
-    ProposeStream holds one for as long as its verifier is connected."""
+    ProposeStream holds one for as long as its verifier is connected (and answers the keepalive's
+    pings: keepalive_s, keepalive_timeout_s)."""
     servicer = DrafterServicer(model, pipeline=pipeline, max_sequences=max_sequences, seq_ttl_s=seq_ttl_s,
                                q_dtype=q_dtype, compile=compile, fanout=fanout, bf16_head=bf16_head, vocab=vocab)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                         options=server_options(keepalive_s, keepalive_timeout_s))
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -129,6 +129,46 @@ def test_drafter_reclaims_sequences_whose_release_never_came(models):
         server.stop(0)
 
 
+_SILENT_VERIFIER = """
+import queue, sys, grpc
+from specserve.proto import speculative_pb2 as pb, speculative_pb2_grpc as pb_grpc
+stub = pb_grpc.DrafterStub(grpc.insecure_channel(sys.argv[1]))
+stub.Start(pb.StartRequest(items=[pb.StartItem(seq_id="s", prompt_ids=[1, 2])]), timeout=10)
+requests = queue.SimpleQueue()
+replies = stub.ProposeStream(iter(requests.get, None))
+requests.put(pb.ProposeRequest(items=[pb.ProposeItem(seq_id="s", round=1, k=2)]))
+assert len(next(replies).drafts[0].tokens) == 2
+print("ready", flush=True)
+requests.get()  # the stream stays open; nothing more is sent
+"""
+
+
+def test_a_verifier_gone_silent_frees_its_propose_stream(models):
+    """A verifier whose host died or whose network was cut sends no FIN: its ProposeStream held one
+    of the drafter's RPC threads for good (max_workers of them in all) until the drafter's keepalive
+    (specserve.proto.transport). A stopped process stands in for the lost host: the kernel still
+    acknowledges its TCP segments, but nothing answers the pings. While it runs, the pings leave its
+    stream open; once stopped, the drafter closes the connection and the stream's thread ends."""
+    import signal
+    import subprocess
+    import sys
+
+    _, drafter = models
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, keepalive_s=0.3, keepalive_timeout_s=0.5)
+    child = subprocess.Popen([sys.executable, "-c", _SILENT_VERIFIER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # several pings, answered
+        assert servicer.streams == 1 and child.poll() is None
+        child.send_signal(signal.SIGSTOP)
+        assert eventually(lambda: servicer.streams == 0, within_s=10)
+    finally:
+        child.kill()
+        child.wait()
+        server.stop(0)
+
+
 def test_an_idle_engine_notices_the_drafter_is_back(models):
     target, drafter = models
     server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False)

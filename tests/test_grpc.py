@@ -129,7 +129,7 @@ def test_a_large_vocabulary_batch_fits_one_propose_with_a_16_bit_q():
     """V = 128,256, k = 4, 64 sampled sequences in one Propose through a real drafter server: with
     q in bfloat16 the reply fits the message limit (in float32 it would be twice the size, over
     it), and q arrives exactly as the drafter sampled from it."""
-    from specserve.drafter.server import MAX_MESSAGE_BYTES
+    from specserve.proto.transport import MAX_MESSAGE_BYTES
     vocab, k, seqs = 128_256, 4, 64
     server, port, _ = serve(tiny_model("llama", vocab, seed=0, hidden=16, layers=1), host="127.0.0.1",
                             pipeline=False, max_sequences=seqs, q_dtype="bfloat16")

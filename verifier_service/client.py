@@ -42,11 +42,11 @@ from specserve.core.sampling import SamplingParams
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto import speculative_pb2_grpc as pb_grpc
 from specserve.proto.codec import PROTOCOL_VERSION, q_from_proto, sampling_to_proto
+from specserve.proto.transport import channel_options
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 def deadline(method: str, tokens: int = 0) -> float:
@@ -67,8 +67,7 @@ class DrafterClient:
 
     def __init__(self, address: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.channel = grpc.insecure_channel(address, options=channel_options())
         self.stub = pb_grpc.DrafterStub(self.channel)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
