@@ -10,7 +10,9 @@ and the shared-vocabulary check are here too.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -20,6 +22,9 @@ from specserve.core.draft_vocab import resolve as draft_vocab_ids
 from specserve.core.fast_llama import FastLlama
 from specserve.core.fast_llama import supports as fast_llama_supports
 from specserve.core.kv_cache import PositionLayer
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -38,13 +43,33 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def ray_gpus() -> list[str] | None:
+    """The GPUs Ray gave this process, when it is a Ray worker (an actor or a task); None outside
+    one (a driver, a plain process). Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a worker that
+    holds no GPU, so such a worker sees every GPU of its node."""
+    ray = sys.modules.get("ray")  # not imported: not a Ray worker (and no Ray session started here)
+    if ray is None or not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.WORKER_MODE:
+        return None
+    return [str(i) for i in context.get_accelerator_ids().get("GPU", [])]
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """"auto": the first CUDA device this process sees (a Ray actor holding a GPU sees exactly that
-    one), else the CPU. "cuda" without a visible GPU is an error, not a silent fallback."""
+    one), else the CPU; a Ray actor that holds no GPU runs on the CPU even where it sees one (until
+    stop 49 it took GPU 0, whatever the placement reserved). "cuda" without a visible GPU is an
+    error, not a silent fallback."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        if ray_gpus() == []:
+            log.warning("device auto: this Ray actor holds no GPU (see use_gpu, gpus_per_actor), so it runs on the CPU")
+            return torch.device("cpu")
+        return torch.device("cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for, but this process sees no CUDA GPU")
     try:

@@ -154,6 +154,27 @@ def test_workers_of_a_ray_specserve_starts_run_at_niceness_0(ray_session):
     assert ray_session.get(niceness.remote()) == 0
 
 
+def test_device_auto_in_a_ray_worker_follows_the_gpus_it_holds(ray_session):
+    """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a worker that holds no GPU, so it sees every
+    GPU of its node: until stop 49 `device: auto` put such an actor (use_gpu false, or unset on a
+    one-GPU node) on GPU 0 all the same. Here CUDA is made to look available inside the task (this
+    machine has no GPU; the test session's Ray has four logical ones): a task holding no GPU gets
+    the CPU, one holding a GPU gets it; outside a worker nothing changes."""
+    from specserve.core.runner import ray_gpus
+
+    def auto():
+        import torch
+
+        from specserve.core.runner import ray_gpus, resolve_device
+        torch.cuda.is_available = lambda: True
+        return ray_gpus(), str(resolve_device("auto"))
+
+    assert ray_gpus() is None  # the driver
+    assert ray_session.get(ray_session.remote(num_gpus=0)(auto).remote()) == ([], "cpu")
+    held, device = ray_session.get(ray_session.remote(num_gpus=1)(auto).remote())
+    assert len(held) == 1 and device == "cuda"
+
+
 def test_actors_get_different_gpus(ray_session, pairs):
     pair = SpeculativePair(*pairs[0], use_gpu=True, cpus_per_actor=1)
     try:
