@@ -108,18 +108,28 @@ class DraftModelProposer(Proposer):
         """`propose` for sequences and branches (items[i] for seqs[i]; its seq_id is not read).
         stop: checked before each drafting pass; when it returns True, the drafted positions are
         rolled back (each slot holds its `cached` tokens) and Interrupted is raised."""
-        if not any(item.k for item in items):  # catch-up only: take the tokens in, no logits wanted
-            self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)], want_logits=False)
-            for seq in seqs:
-                seq.confidence = []
-            return [Draft([], None) for _ in items]
-        logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
         try:
+            if not any(item.k for item in items):  # catch-up only: take the tokens in, no logits wanted
+                self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)], want_logits=False)
+                for seq in seqs:
+                    seq.confidence = []
+                return [Draft([], None) for _ in items]
+            logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
             return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items], stop)
-        except Interrupted:
-            for seq in seqs:
-                self.runner.rollback(self.runner.seq_length(seq.slot) - len(seq.cached), slot=seq.slot)
+        except BaseException:  # Interrupted, or a pass that failed (out of memory, ...)
+            self.resync(seqs)
             raise
+
+    def resync(self, seqs: list[_Seq]) -> None:
+        """After a pass that did not finish: each slot and its `cached` agree again, on the positions
+        both hold. `cached` names its tokens before they are fed, and drafted positions are
+        named only once the drafting loop ends, while a slot counts a position once its pass
+        succeeded; a position the two disagreed on was fed anew or not at all, and until stop 49
+        that offset stayed for the sequence's life (its drafts came from a shifted context)."""
+        for seq in seqs:
+            n = min(len(seq.cached), self.runner.seq_length(seq.slot))
+            self.runner.rollback(self.runner.seq_length(seq.slot) - n, slot=seq.slot)
+            del seq.cached[n:]
 
     # ---------------------------------------------------------------- branches
     def branch(self, seq_id: str, assumed: list[int]) -> _Seq | None:
@@ -132,7 +142,11 @@ class DraftModelProposer(Proposer):
         if not self.branch_free or common_prefix_len(seq.cached, prefix) < len(prefix):
             return None
         slot = self.branch_free.pop()
-        self.runner.fork(slot, seq.slot, len(prefix))
+        try:
+            self.runner.fork(slot, seq.slot, len(prefix))
+        except BaseException:
+            self.branch_free.append(slot)
+            raise
         return _Seq(slot, seq.params, list(prefix), list(prefix))
 
     def adopt(self, seq_id: str, branch: _Seq) -> None:
@@ -279,8 +293,12 @@ class DraftModelProposer(Proposer):
             keep = len(seq.tokens) + len(d) - 1  # committed + d_1 .. d_{n-1}, all in the cache
             self.runner.rollback(len(seq.cached) - keep, slot=seq.slot)
             seq.cached = seq.cached[:keep] + [d[-1]]
-        out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True,
-                                      vocab=self._greedy(seqs))
+        try:
+            out = self.runner.score_batch([(seq.slot, [d[-1]]) for seq, d in zip(seqs, last_drafts)], last_only=True,
+                                          vocab=self._greedy(seqs))
+        except BaseException:
+            self.resync(seqs)
+            raise
         logits = torch.cat(out)
         best = torch.softmax(logits, -1).topk(min(top, logits.shape[-1]), -1)
         top = best.indices.shape[-1]

@@ -233,26 +233,28 @@ class PipelinedProposer(Proposer):
             if self.policy == "most-likely" and self.fanout == 1 else {}
         full = [s for s in ids if assumed.get(s) is None]
         bonus: dict[str, tuple[list[int], list[float]]] = {}
-        if full:
-            lasts = [self.last[s].tokens for s in full]
-            tokens, probs = self.inner.guess_bonus(full, lasts, top=self.fanout)
-            for s, d, t, p in zip(full, lasts, tokens, probs):
-                assumed[s] = d + [t[0]]
-                self.guessed[s] = t[0]
-                bonus[s] = t, p
-        branches = self._branch(ids, bonus) if self.fanout > 1 else []
-        seqs = [self.inner.seqs[s] for s in ids] + [b for _, _, b in branches]
-        asks = [ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids] + \
-            [ProposeItem(s, out[-1:], *self.last_ask[s]) for s, out, _ in branches]
-        self.preparing = {s: [assumed[s]] for s in ids}
-        for s, out, _ in branches:
-            self.preparing[s].append(out)
+        branches: list[tuple[str, list[int], object]] = []
         try:
+            if full:
+                lasts = [self.last[s].tokens for s in full]
+                tokens, probs = self.inner.guess_bonus(full, lasts, top=self.fanout)
+                for s, d, t, p in zip(full, lasts, tokens, probs):
+                    assumed[s] = d + [t[0]]
+                    self.guessed[s] = t[0]
+                    bonus[s] = t, p
+            if self.fanout > 1:
+                self._branch(ids, bonus, branches)
+            seqs = [self.inner.seqs[s] for s in ids] + [b for _, _, b in branches]
+            asks = [ProposeItem(s, assumed[s], *self.last_ask[s]) for s in ids] + \
+                [ProposeItem(s, out[-1:], *self.last_ask[s]) for s, out, _ in branches]
+            self.preparing = {s: [assumed[s]] for s in ids}
+            for s, out, _ in branches:
+                self.preparing[s].append(out)
             drafts = self.inner.propose_seqs(seqs, asks, stop=self.interrupt.is_set)
         except BaseException as e:  # Interrupted: the verifier is back with an outcome nobody prepares, it
-            for s in ids:  # goes first; anything else (out of memory, ...): undone too, and raised (see the server)
-                self.inner.uncommit(s, bases[s])
-                self.guessed.pop(s, None)
+            for s in ids:  # goes first; anything else (out of memory, ...): undone too (each slot agrees with
+                self.inner.uncommit(s, bases[s])  # its cached tokens: DraftModelProposer.resync), and raised
+                self.guessed.pop(s, None)  # (the server logs it)
             for _, _, b in branches:
                 self.inner.drop_branch(b)
             if not isinstance(e, Interrupted):
@@ -268,10 +270,11 @@ class PipelinedProposer(Proposer):
         self.speculated += len(ids)
         self.prepared += len(ids) + len(branches)
 
-    def _branch(self, ids: list[str], bonus: dict) -> list[tuple[str, list[int], object]]:
+    def _branch(self, ids: list[str], bonus: dict, out: list[tuple[str, list[int], object]]) -> None:
         """Branches for the likeliest outcomes past the main one, as many per sequence as the
-        fan-out allows and the branch slots last, likeliest first over all sequences:
-        [(sequence, the outcome's committed tokens, its branch)]."""
+        fan-out allows and the branch slots last, likeliest first over all sequences, appended to
+        `out` as they are taken (so a failure leaves the caller those to drop):
+        (sequence, the outcome's committed tokens, its branch)."""
         candidates = []  # (rank, sequence, outcome)
         for s in ids:
             d, conf = self.last[s].tokens, self.last_conf.get(s) or []
@@ -283,7 +286,6 @@ class PipelinedProposer(Proposer):
                            for a, (qx, alt, qalt) in enumerate(conf)]
         candidates.sort(key=lambda c: -c[0])
         per_seq = dict.fromkeys(ids, 1)
-        out = []
         for _, s, outcome in candidates:
             if per_seq[s] >= self.fanout:
                 continue
@@ -292,7 +294,6 @@ class PipelinedProposer(Proposer):
                 break  # no branch slot left
             out.append((s, outcome, b))
             per_seq[s] += 1
-        return out
 
     def _likeliest_rejection(self, seq_id: str) -> list[int] | None:
         """The committed tokens of the outcome "d_1 rejected, runner-up written" when it has been

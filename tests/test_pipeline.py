@@ -147,3 +147,46 @@ def test_fan_out_prepares_the_outcome_this_rounds_drafts_make_likeliest():
     pipelined.speculate(["s"])
     main, branch = pipelined.ready["s"]
     assert main.assumed[:4] == d and branch.assumed == d[:1] + [alts[1]]
+
+
+@pytest.mark.parametrize("fails,fanout", [("bonus", 1), ("catch_up", 1), ("draft", 1), ("draft", 3), ("fork", 3)])
+def test_a_failed_preparation_leaves_nothing_behind(fails, fanout):
+    """A preparation whose pass fails (out of memory on a GPU, say) is logged by the server and the
+    sequence goes on. Until stop 49 such a failure left the slot and its `cached` tokens a
+    position apart for the sequence's life (its drafts came from a shifted context), and a fork
+    that failed lost the branch slots taken before it. Now each slot agrees with its tokens, every
+    branch slot is free, and the next drafts equal on-demand ones. The failure is injected into the
+    guess of the bonus token's pass, the catch-up on the assumed outcome, the drafting loop's second
+    pass, or the second branch's fork."""
+    drafter = tiny_model("llama", V, seed=6, layers=1)
+    params = SamplingParams(temperature=0.9, seed=4)
+    pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=3), branch_slots=2), fanout=fanout)
+    on_demand = DraftModelProposer(ModelRunner(drafter))
+    for p in (pipelined, on_demand):
+        p.start("s", [1, 2, 3, 4], params)
+        p.propose([ProposeItem("s", [], 4)])
+    runner = pipelined.inner.runner
+    method, nth = {"bonus": ("score_batch", 1), "catch_up": ("score_batch", 2), "draft": ("score_ids", 2),
+                   "fork": ("fork", 2)}[fails]
+    real, calls = getattr(runner, method), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            raise RuntimeError("injected: out of memory")
+        return real(*args, **kwargs)
+
+    setattr(runner, method, failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        pipelined.speculate(["s"])
+    setattr(runner, method, real)
+    assert len(calls) == nth  # it failed where meant to
+    assert "s" not in pipelined.ready and not pipelined.preparing and not pipelined.guessed
+    assert len(pipelined.inner.branch_free) == 2
+    seq = pipelined.inner.seqs["s"]
+    assert runner.seq_length(seq.slot) == len(seq.cached) and seq.tokens == [1, 2, 3, 4]
+    for answer in ([9, 8], [3], [5, 6, 7]):
+        got = pipelined.propose([ProposeItem("s", answer, 4)])[0]
+        want = on_demand.propose([ProposeItem("s", answer, 4)])[0]
+        assert got.tokens == want.tokens and torch.allclose(got.probs, want.probs, rtol=0, atol=1e-6)
+        pipelined.speculate(["s"])  # and preparing works again
