@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specserve.core.proposer import MAX_K
 from specserve.core.sampling import MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
@@ -177,8 +178,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
             raise _bad("'speculative.enabled' must be a boolean", "speculative.enabled")
         req.speculative = enabled
         k = spec.get("k")
-        if k is not None and not (_is_int(k) and 0 <= k <= 16):
-            raise _bad("'speculative.k' must be an integer in [0, 16]", "speculative.k")
+        if k is not None and not (_is_int(k) and 0 <= k <= MAX_K):
+            raise _bad(f"'speculative.k' must be an integer in [0, {MAX_K}]", "speculative.k")
         req.k = k
         method = spec.get("method")
         if method is not None and method not in SPECULATIVE_METHODS:

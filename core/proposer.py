@@ -12,10 +12,14 @@ rest back, and drafts. It never needs to know the acceptance rule. Calls are bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the config imports MAX_K without torch
+    import torch
 
-from specserve.core.sampling import SamplingParams
+    from specserve.core.sampling import SamplingParams
+
+MAX_K = 16  # the most drafts one round of one sequence may carry (a request's k, the config's, the wire's)
 
 
 @dataclass

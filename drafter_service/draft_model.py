@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer, common_prefix_len, confidence_cut
+from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer, common_prefix_len, confidence_cut
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, draw, request_generator, warp
 
@@ -200,7 +200,7 @@ class DraftModelProposer(Proposer):
                 logits[i] = row[-1]
         return logits
 
-    ONE_BY_ONE = 17  # the most tokens a round commits (k <= 16 drafts + 1)
+    ONE_BY_ONE = MAX_K + 1  # the most tokens a round commits
 
     @staticmethod
     def _greedy(seqs: list[_Seq]) -> bool:

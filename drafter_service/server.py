@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from specserve.core.proposer import CapacityError, ProposeItem
+from specserve.core.proposer import MAX_K, CapacityError, ProposeItem
 from specserve.core.runner import ModelRunner
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.pipeline import PipelinedProposer
@@ -45,7 +45,6 @@ from specserve.proto.transport import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, server_o
 
 log = logging.getLogger("specserve.drafter")
 
-MAX_K = 64
 BRANCH_SEQUENCES = 4  # branch slots are kept for this many sequences' fan-out (pipelining pays at small batches)
 DEFAULT_SEQ_TTL_S = 600.0
 

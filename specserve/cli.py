@@ -10,6 +10,7 @@ import sys
 import time
 
 from specserve.config import DEFAULT_MODEL_DIR, SpecServeConfig
+from specserve.core.proposer import MAX_K
 
 
 class CLIError(Exception):
@@ -96,8 +97,8 @@ def cmd_generate(args) -> int:
     from specserve.builder import build_engine, check_pair
     from specserve.core.runner import ModelLoadError
 
-    if args.k < 0:
-        raise CLIError(f"-k must be >= 0, got {args.k}")
+    if not 0 <= args.k <= MAX_K:
+        raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
     sampling = sampling_from_args(args)
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
     target, drafter = resolve_pair(args.target, args.drafter, no_drafter)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from specserve.core.draft_vocab import DraftVocabError, check_setting
+from specserve.core.proposer import MAX_K
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
@@ -58,7 +59,7 @@ class SpecServeConfig:
         need(self.drafter is None or isinstance(self.drafter, str), "drafter must be a model folder path or null")
         if self.drafter == "":
             self.drafter = None
-        need(_is_int(self.k) and self.k >= 0, f"k must be an integer >= 0, got {self.k!r}")
+        need(_is_int(self.k) and 0 <= self.k <= MAX_K, f"k must be an integer in [0, {MAX_K}], got {self.k!r}")
         need(self.speculation in SPECULATION_POLICIES,
              f"speculation must be one of {SPECULATION_POLICIES}, got {self.speculation!r}")
         need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
@@ -90,6 +91,8 @@ class SpecServeConfig:
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")
         need(isinstance(self.compile, bool) or self.compile == "auto", "compile must be true, false or auto")
+        if self.draft_vocab is False:  # YAML reads an unquoted `off` as false
+            self.draft_vocab = "off"
         try:
             check_setting(self.draft_vocab)
         except DraftVocabError as e:

@@ -578,6 +578,23 @@ def test_app_args_are_the_config_fields():
     assert set(APP_ARGS) == {f.name for f in dataclasses.fields(SpecServeConfig)}
 
 
+def test_k_is_capped_where_the_drafter_caps_it_and_yaml_off_is_off():
+    """k above 16 (MAX_K: the drafter feeds a sampled sequence's catch-up one token at a time up to
+    MAX_K + 1 tokens, so that q does not depend on timing) is refused by the config, the CLI,
+    the engine and the wire alike; until stop 49 the config took any k, and the drafter refused k
+    over 64 only at the first round. YAML reads an unquoted `draft_vocab: off` as false: it is
+    "off"."""
+    import yaml
+
+    from specserve.core.proposer import MAX_K
+    assert SpecServeConfig.from_dict({"k": MAX_K}).k == MAX_K
+    with pytest.raises(ValueError, match=r"k must be an integer in \[0, 16\]"):
+        SpecServeConfig.from_dict({"k": MAX_K + 1})
+    assert SpecServeConfig.from_dict(yaml.safe_load("draft_vocab: off")).draft_vocab == "off"
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        SpecServeConfig.from_dict(yaml.safe_load("draft_vocab: on"))
+
+
 def test_a_colocated_pair_has_one_bundle_and_colocate_is_checked():
     assert SpecServeConfig(colocate=True, use_gpu=True).bundles() == [{"CPU": 1.0, "GPU": 1.0}]
     assert len(SpecServeConfig(use_gpu=True).bundles()) == 2

@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from specserve.core.proposer import CapacityError, Draft, ProposeItem, Proposer
+from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, request_generator, warp
 from specserve.verifier.acceptance import accept_batch, accept_greedy
@@ -168,8 +168,8 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+    if not isinstance(k, int) or not 0 <= k <= MAX_K:
+        raise ValueError(f"k must be an integer in [0, {MAX_K}], got {k!r}")
     if len(prompt_ids) + max_new_tokens > max_length:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the context of {max_length} tokens")
@@ -241,7 +241,7 @@ class SpeculativeEngine:
     def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 64,
                  request_timeout_s: float | None = None, ngram: bool = False, speculation: str = "fixed",
-                 max_k: int = 16):
+                 max_k: int = MAX_K):
         """proposer: the drafter (in process or remote), or None; ngram: whether the n-gram
         proposer is available (the default without a drafter, the fallback while it is down);
         speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
