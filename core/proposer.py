@@ -64,6 +64,7 @@ class Proposer:
     """Interface: start a sequence, propose k tokens after newly committed ones, release."""
 
     max_length: int = 1 << 30  # longest sequence the proposer can hold
+    vocab_size: int | None = None  # the size of its q (None: it makes none); must be the target's
     # True for a proposer whose `send(items)` starts a propose and `receive()` returns its drafts
     # later (a remote drafter): the engine then sends a round's outcome as soon as acceptance is
     # decided, so the drafter drafts while the verifier does the round's bookkeeping

@@ -63,6 +63,7 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.q_dtype = q_dtype
         self.max_length = runner.max_length
+        self.vocab_size = runner.vocab_size
         self.seqs: dict[str, _Seq] = {}
         branch_slots = min(branch_slots, runner.slots - 1) if runner.branches else 0
         self.free = list(range(runner.slots - branch_slots - 1, -1, -1))

@@ -50,10 +50,7 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
     proposer = None
     if cfg.drafter is not None and drafter_address is not None:
         from specserve.verifier.client import RemoteProposer
-        proposer = RemoteProposer(drafter_address)
-        if proposer.vocab_size != target.vocab_size:
-            raise ValueError(f"the drafter's vocabulary ({proposer.vocab_size}) differs from the target's "
-                             f"({target.vocab_size})")
+        proposer = RemoteProposer(drafter_address)  # (the engine checks its vocabulary against the target's)
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", role="drafter", slots=cfg.max_num_seqs,

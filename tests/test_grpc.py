@@ -706,3 +706,24 @@ def test_a_failed_preparation_is_undone_and_the_next_propose_drafts_on_demand():
     outcome = [7, 9]
     want, got = plain.propose([ProposeItem("s", outcome, 3)])[0], piped.propose([ProposeItem("s", outcome, 3)])[0]
     assert got.tokens == want.tokens and not got.pipeline_hit
+
+
+def test_a_drafter_with_another_vocabulary_is_refused_in_process_and_remote():
+    """Tokenizers alike (check_pair) do not make output layers alike: a drafter whose q has another
+    size fails acceptance on every round with a sampled request. The engine refuses such a drafter
+    when it is built, remote or in process (until stop 49, only the builder checked, remote ones)."""
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+
+    target, drafter = tiny_model("llama", V, seed=0), tiny_model("llama", V + 8, seed=1, hidden=16, layers=1)
+    with pytest.raises(ValueError, match=rf"drafter's vocabulary \({V + 8}\) differs from the target's \({V}\)"):
+        SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)))
+    server, port, _ = serve(drafter, host="127.0.0.1", pipeline=False)
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}")
+        with pytest.raises(ValueError, match="differs from the target's"):
+            SpeculativeEngine(ModelRunner(target), remote)
+        remote.client.close()
+    finally:
+        server.stop(0)
