@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specserve.core.device import to_device
 from specserve.core.kv_cache import SlotKVCache
 
 log = logging.getLogger("specserve.compile")
@@ -395,7 +396,7 @@ class FastLlama:
         Returns, per sequence, logits [len(tokens[i]), V] (or [1, V] with last_only), float32."""
         n = [len(t) for t in tokens]
         t = max(max(n), self._min_size)
-        ids = torch.tensor([seq + [0] * (t - len(seq)) for seq in tokens], device=self.device)
+        ids = to_device([seq + [0] * (t - len(seq)) for seq in tokens], self.device)
         logits = self.forward_ids(ids, n, slots, last_only, vocab)
         return [logits[i, :1] if last_only else logits[i, :m] for i, m in enumerate(n)]
 
@@ -440,7 +441,7 @@ class FastLlama:
         compact = slot_of[:b] == list(range(b)) and not branched
         extra = ([parents.get(s, (s, 0))[0] for s in slot_of] + [parents.get(s, (s, 0))[1] for s in slot_of]
                  if branched else [])
-        meta = torch.tensor(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows] + extra,
+        meta = to_device(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows] + extra,
                             device=self.device)
         nt = big * t
         nl = len(last)
@@ -462,7 +463,11 @@ class FastLlama:
             inverse = [0] * b
             for pos_in_batch, r in enumerate(order):
                 inverse[r] = pos_in_batch
-            logits = logits.index_select(0, torch.tensor(inverse, device=self.device))
+            logits = logits.index_select(0, to_device(inverse, self.device))
+        elif self.compiled and self.device.type == "cuda":
+            # CUDA graphs (mode reduce-overhead) own their outputs: the next call rewrites them, and
+            # the drafter keeps a pass's logits across later passes (its catch-up, one token at a time)
+            logits = logits.clone()
         return logits
 
     def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache,

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
+from specserve.core.device import to_device
 from specserve.core.draft_vocab import resolve as draft_vocab_ids
 from specserve.core.fast_llama import FastLlama
 from specserve.core.fast_llama import supports as fast_llama_supports
@@ -304,7 +305,7 @@ class ModelRunner:
                                      vocab=vocab)
         out = []
         for slot, tokens in batch:
-            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            ids = to_device([tokens], self.device)
             logits = self.model(input_ids=ids, cache=self.caches[slot], use_cache=True,
                                 logits_to_keep=1 if last_only else 0).logits
             out.append(self._in_vocab(logits[0].float(), vocab))

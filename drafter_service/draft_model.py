@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.core.device import to_device
 from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer, common_prefix_len, confidence_cut
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams, draw, request_generator, warp
@@ -254,7 +255,7 @@ class DraftModelProposer(Proposer):
             parts = []  # (tokens [r], info [r, 5]) per group of rows, in the order of `order` below
             if greedy:  # q only as the drafter's confidence, for pipelining
                 q = torch.softmax(rows_logits if len(greedy) == len(seqs) else
-                                  rows_logits.index_select(0, torch.tensor(greedy, device=device)), -1)
+                                  rows_logits.index_select(0, to_device(greedy, device)), -1)
                 parts.append(_step_info(q, q.argmax(-1)))
             for i in sampled:
                 q = warp(rows_logits[i], seqs[i].params)
@@ -265,7 +266,7 @@ class DraftModelProposer(Proposer):
             order = greedy + sampled
             xs, info = (torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*parts))
             if order != live:  # back to the order of `live`
-                where = torch.tensor([order.index(i) for i in live], device=device)
+                where = to_device([order.index(i) for i in live], device)
                 xs, info = xs.index_select(0, where), info.index_select(0, where)
             steps.append((live, info))
             feed = [j for j, i in enumerate(live) if step < ks[i] - 1]
@@ -273,11 +274,11 @@ class DraftModelProposer(Proposer):
                 raise Interrupted
             if feed:
                 fed = [live[j] for j in feed]
-                ids = xs if len(feed) == len(live) else xs.index_select(0, torch.tensor(feed, device=device))
+                ids = xs if len(feed) == len(live) else xs.index_select(0, to_device(feed, device))
                 out = self.runner.score_ids(ids[:, None], [seqs[i].slot for i in fed],
                                             vocab=self._greedy([seqs[i] for i in fed]))
                 rows_logits = out if fed == list(range(len(seqs))) else \
-                    rows_logits.index_copy(0, torch.tensor(fed, device=device), out)
+                    rows_logits.index_copy(0, to_device(fed, device), out)
         return qs, steps
 
     def confidence(self, seq_id: str) -> list[tuple[float, int, float]]:

@@ -205,3 +205,30 @@ def test_auto_dtype_by_model(tmp_path):
     assert tiny.model.dtype == torch.float32 and tiny.fast.head_packed is None
     with pytest.raises(ValueError, match="role"):
         ModelRunner.from_pretrained(tiny_target, role="verifier")
+
+
+def test_no_blocking_host_copy_in_the_per_pass_code():
+    """`torch.tensor(values, device=...)` waits for the GPU's queue before it copies (a hidden host
+    sync); every pass's metadata, every drafting step's row indices and the acceptance rule's
+    inputs go through `core.device.to_device` (pinned, non-blocking) instead. Only constructors
+    may build a tensor the blocking way, once."""
+    import ast
+    import inspect
+
+    import specserve.core.fast_llama as fast_llama
+    import specserve.core.runner as runner
+    import specserve.drafter.draft_model as draft_model
+    import specserve.verifier.acceptance as acceptance
+    import specserve.verifier.engine as engine
+    import specserve.verifier.ngram as ngram
+
+    found = []
+    for module in (fast_llama, runner, draft_model, acceptance, engine, ngram):
+        for fn in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(fn, ast.FunctionDef) or fn.name == "__init__":
+                continue
+            for call in ast.walk(fn):
+                if (isinstance(call, ast.Call) and ast.unparse(call.func) in ("torch.tensor", "torch.as_tensor")
+                        and any(kw.arg == "device" for kw in call.keywords)):
+                    found.append(f"{module.__name__}.{fn.name}: {ast.unparse(call)[:80]}")
+    assert not found, found

@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from specserve.core.device import to_device
+
 
 def greedy_on_device(target_logits: Sequence[torch.Tensor]) -> torch.Tensor:
     """[2, N] long tensor on the logits' device, N = all rows of all sequences: each position's
@@ -111,8 +113,7 @@ def accept_on_device(
     dev, V, K = target_probs[0].device, target_probs[0].shape[1], max(ks)
     p = torch.zeros(B, K + 1, V, device=dev)
     q = torch.zeros(B, K + 1, V, device=dev)  # row k_b stays 0: the residual there is p (the bonus)
-    drafts = torch.tensor([list(d) + [0] * (K - len(d)) for d in draft_tokens], dtype=torch.long,
-                          device=dev).view(B, K)
+    drafts = to_device([list(d) + [0] * (K - len(d)) for d in draft_tokens], dev).view(B, K)
     for b in range(B):
         p[b, : ks[b] + 1] = target_probs[b]
         if ks[b] and draft_probs[b] is not None:
@@ -120,8 +121,8 @@ def accept_on_device(
             q[b, : ks[b]] = qb / qb.sum(-1, keepdim=True)  # exactly what each draft was drawn from
     one_hot = [b for b in range(B) if ks[b] and draft_probs[b] is None]
     if one_hot:
-        rows = torch.tensor(one_hot, device=dev)
-        live = torch.arange(K, device=dev)[None, :] < torch.tensor([ks[b] for b in one_hot], device=dev)[:, None]
+        rows = to_device(one_hot, dev)
+        live = torch.arange(K, device=dev)[None, :] < to_device([ks[b] for b in one_hot], dev)[:, None]
         q[rows, :K] = torch.zeros(len(one_hot), K, V, device=dev).scatter_(-1, drafts[rows][..., None],
                                                                             live[..., None].float())
     # one uniform per draft position and one exponential per vocabulary entry, per sampled request;
@@ -138,7 +139,7 @@ def accept_on_device(
     qx = q[:, :K].gather(2, drafts[..., None])[..., 0]
     # keep x with probability min(1, p/q): always when p >= q (q(x) = 0 included), else when u < p/q
     kept = (px >= qx) | (u * qx < px)
-    kept &= torch.arange(K, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
+    kept &= torch.arange(K, device=dev)[None, :] < to_device(ks, dev)[:, None]
     num_accepted = kept.long().cumprod(1).sum(1)  # the longest kept prefix
     rows = torch.arange(B, device=dev)
     pa, qa = p[rows, num_accepted], q[rows, num_accepted]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.core.device import to_device
 from specserve.core.proposer import Draft, ProposeItem, Proposer
 from specserve.core.sampling import SamplingParams
 
@@ -73,4 +74,4 @@ class NgramProposer(Proposer):
 
     def _one_hot(self, tokens: list[int]) -> torch.Tensor:
         q = torch.zeros(len(tokens), self.vocab_size, device=self.device)
-        return q.scatter_(1, torch.tensor(tokens, device=self.device)[:, None], 1.0)
+        return q.scatter_(1, to_device(tokens, self.device)[:, None], 1.0)
