@@ -103,8 +103,11 @@ def cmd_generate(args) -> int:
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
     target, drafter = resolve_pair(args.target, args.drafter, no_drafter)
     method = "none" if args.no_speculation or args.k == 0 else args.method
+    if args.distributed and method == "none":
+        raise CLIError("--distributed runs a drafter actor, and plain decoding (--no-speculation, -k 0 or "
+                       "--method none) has none: drop --distributed")
     if args.distributed and method not in (None, "draft_model"):
-        raise CLIError("--method ngram/none runs in process: drop --distributed")
+        raise CLIError("--method ngram runs in process: drop --distributed")
     if args.threads < 0:
         raise CLIError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.threads:
@@ -118,6 +121,13 @@ def cmd_generate(args) -> int:
                                                      speculation=args.speculation, draft_vocab=args.draft_vocab)
         except (ModelLoadError, ValueError) as e:
             raise CLIError(str(e)) from None
+        except Exception as e:  # an actor that died loading (a device it lacks, ...) or was never placed
+            from ray.exceptions import RayError
+            if not isinstance(e, RayError):
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise CLIError(f"the pair did not start: {type(e).__name__}: {lines[-1] if lines else ''} "
+                           "(the actors' logs under /tmp/ray/session_latest/logs have the rest)") from None
     else:
         try:
             cfg = SpecServeConfig(target=target, drafter=drafter, k=args.k, max_num_seqs=1, device=args.device,
@@ -198,6 +208,17 @@ def cmd_serve(args) -> int:
     from specserve.cluster.pair import ensure_ray
     from specserve.cluster.serve_app import build_app
     ensure_ray()
+    have = ray.cluster_resources()
+    short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
+             if have.get(name, 0.0) < amount}
+    if short:  # Serve would wait for them for good, silently
+        what = ", ".join(f"{need:g} {name} (it has {got:g})" for name, (need, got) in short.items())
+        msg = (f"the app reserves {what}: {cfg.num_pairs} pair(s) of {len(cfg.bundles())} actor(s), "
+               f"cpus_per_actor {cfg.cpus_per_actor:g}" + (f", gpus_per_actor {cfg.gpus_per_actor:g}" if cfg.gpu() else ""))
+        if not os.environ.get("RAY_ADDRESS"):  # a local Ray: nothing will join it
+            raise CLIError(f"{msg}; this machine's Ray cannot place it (fewer pairs or a smaller cpus_per_actor would fit)")
+        print(f"warning: {msg}; the cluster at RAY_ADDRESS has less now, so the app starts once it grows",
+              file=sys.stderr, flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)

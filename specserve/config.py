@@ -143,6 +143,14 @@ class SpecServeConfig:
         """The pair's bundles: [verifier, drafter] (the verifier alone without a drafter actor)."""
         return [self.bundle(), self.bundle()] if self.drafter_actor else [self.bundle()]
 
+    def resources(self) -> dict[str, float]:
+        """What the app reserves in all: every pair's bundles (the ingress takes no CPU)."""
+        total: dict[str, float] = {}
+        for bundle in self.bundles():
+            for name, amount in bundle.items():
+                total[name] = total.get(name, 0.0) + amount * self.num_pairs
+        return total
+
     # Serve's limits, from the engine's: every sequence that may run or wait gets in, plus room
     # for /health, /metrics and cancellations; beyond that a prompt 503, never an unbounded queue.
     HEADROOM = 16

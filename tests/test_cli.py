@@ -156,3 +156,19 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--config", str(bad_config)], "applications must be a list of mappings")):
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_bad_invocations_found_in_stop_49_are_messages():
+    """`generate --distributed` with plain decoding named a --method the user never passed; an
+    actor that died loading was a Ray traceback, exit 1; `serve` with more pairs than Ray can place
+    waited for good, silently (Serve waits for the replicas' resources)."""
+    import torch
+    cases = [(["generate", "--distributed", "--no-speculation", "--prompt", "x"], "plain decoding"),
+             (["serve", "--num-pairs", "64"], "this machine's Ray cannot place it")]
+    if not torch.cuda.is_available():
+        cases.append((["generate", "--distributed", "--device", "cuda", "--prompt", "x", "--max-tokens", "2"],
+                      "the pair did not start: ActorDiedError"))
+    for argv, message in cases:
+        r = run_cli(argv)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
