@@ -160,33 +160,46 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def load_app_args(path: str | None) -> dict:
-    """App args from a Serve config file (applications[0].args) or a plain YAML mapping of args."""
+def load_serve_config(path: str | None) -> tuple[dict, dict]:
+    """(app args, http options) from a Serve config file (its one application's args, and its
+    http_options) or from a plain YAML mapping of app args (no http options)."""
     if path is None:
-        return {}
+        return {}, {}
     import yaml
     try:
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
         raise CLIError(f"cannot read config {path!r}: {e}") from None
+    http: dict = {}
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] or [{}]
-        if not isinstance(apps, list) or not isinstance(apps[0], dict):
+        if not isinstance(apps, list) or not all(isinstance(app, dict) for app in apps):
             raise CLIError(f"config {path!r}: applications must be a list of mappings (Serve's config format)")
+        if len(apps) > 1:
+            raise CLIError(f"config {path!r} has {len(apps)} applications; specserve serve runs one "
+                           "(`serve run` deploys several)")
+        http = doc.get("http_options") or {}
+        if not isinstance(http, dict):
+            raise CLIError(f"config {path!r}: http_options must be a mapping")
         doc = apps[0].get("args") or {}
     if not isinstance(doc, dict):
         raise CLIError(f"config {path!r} must be a mapping of app args or a Serve config")
-    return doc
+    return doc, http
 
 
-def cmd_serve(args) -> int:
-    import signal
+def load_app_args(path: str | None) -> dict:
+    """App args from a Serve config file or a plain YAML mapping of args (`load_serve_config`)."""
+    return load_serve_config(path)[0]
 
-    from specserve.builder import check_pair
-    from specserve.core.runner import ModelLoadError
 
-    app_args = load_app_args(args.config)
+def serve_settings(args) -> tuple[dict, str, int]:
+    """`serve`'s app args, host and port: each from its flag, else the config file, else the
+    default; the API key from --api-key, else the config, else $SPECSERVE_API_KEY, read here (the
+    ingress replica's process, perhaps on another node, may not have the variable)."""
+    app_args, http = load_serve_config(args.config)
+    host = args.host if args.host is not None else http.get("host", DEFAULT_HOST)
+    port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
     if args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation:
         raise CLIError("--drafter is required with --target (or pass --no-speculation)")  # as `generate`
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
@@ -195,8 +208,19 @@ def cmd_serve(args) -> int:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
         app_args["drafter"], app_args["k"] = None, 0
-    if args.api_key:
-        app_args["api_key"] = args.api_key
+    api_key = args.api_key or app_args.get("api_key") or os.environ.get("SPECSERVE_API_KEY")
+    if api_key:
+        app_args["api_key"] = api_key
+    return app_args, host, port
+
+
+def cmd_serve(args) -> int:
+    import signal
+
+    from specserve.builder import check_pair
+    from specserve.core.runner import ModelLoadError
+
+    app_args, host, port = serve_settings(args)
     try:
         cfg = SpecServeConfig.from_dict(app_args)
         check_pair(cfg)  # fail fast, here, on a wrong path or a mismatched pair
@@ -219,14 +243,14 @@ def cmd_serve(args) -> int:
             raise CLIError(f"{msg}; this machine's Ray cannot place it (fewer pairs or a smaller cpus_per_actor would fit)")
         print(f"warning: {msg}; the cluster at RAY_ADDRESS has less now, so the app starts once it grows",
               file=sys.stderr, flush=True)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise CLIError(f"the app did not start: {lines[-1] if lines else type(e).__name__} "
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
-    url = f"http://{'localhost' if args.host in ('0.0.0.0', '127.0.0.1') else args.host}:{args.port}"
+    url = f"http://{'localhost' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}"
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
@@ -254,6 +278,7 @@ def cmd_serve(args) -> int:
 
 
 SHUTDOWN_STEP_S = 60.0
+DEFAULT_HOST, DEFAULT_PORT = "0.0.0.0", 8000
 
 
 def _bounded(fn, seconds: float) -> bool:
@@ -317,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
     s.add_argument("--config", help="a Serve config file (its first application's args) or a YAML of app args")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=None, help=f"default: the config's http_options, else {DEFAULT_PORT}")
+    s.add_argument("--host", default=None, help=f"default: the config's http_options, else {DEFAULT_HOST}")
     s.add_argument("--target", default=None)
     s.add_argument("--drafter", default=None)
     s.add_argument("-k", type=int, default=None)
@@ -330,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculation", choices=["adaptive", "fixed"], default=None,
                    help="the speculation policy (default: adaptive)")
     add_device_args(s, default=None)
-    s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: the config's api_key, else "
+                        "$SPECSERVE_API_KEY)")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("make-tiny-pair", help="write a tiny random target/drafter pair (for trying things out)")

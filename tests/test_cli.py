@@ -172,3 +172,26 @@ def test_bad_invocations_found_in_stop_49_are_messages():
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default(tmp_path, monkeypatch):
+    """Until stop 49 `serve --config` ignored the file's http_options (it listened on 8000 whatever
+    the file said) and, with $SPECSERVE_API_KEY set, replaced the file's api_key with the
+    variable's; a file of several applications served its first silently."""
+    from specserve.cli import CLIError, build_parser, serve_settings
+    config = tmp_path / "serve.yaml"
+    config.write_text("http_options: {host: 127.0.0.1, port: 8123}\n"
+                      "applications:\n  - name: specserve\n    args: {k: 2, api_key: from-file}\n")
+    parse = build_parser().parse_args
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
+    assert serve_settings(parse(["serve", "--config", str(config)])) == ({"k": 2, "api_key": "from-file"},
+                                                                          "127.0.0.1", 8123)
+    app_args, host, port = serve_settings(parse(["serve", "--config", str(config), "--port", "9000", "-k", "3",
+                                                 "--api-key", "from-flag"]))
+    assert (app_args, host, port) == ({"k": 3, "api_key": "from-flag"}, "127.0.0.1", 9000)
+    assert serve_settings(parse(["serve"])) == ({"api_key": "from-env"}, "0.0.0.0", 8000)
+    monkeypatch.delenv("SPECSERVE_API_KEY")
+    assert serve_settings(parse(["serve"])) == ({}, "0.0.0.0", 8000)
+    config.write_text("applications:\n  - {name: a, args: {}}\n  - {name: b, args: {}}\n")
+    with pytest.raises(CLIError, match="has 2 applications"):
+        serve_settings(parse(["serve", "--config", str(config)]))
