@@ -187,14 +187,17 @@ class PipelinedProposer(Proposer):
         ready = self.ready.get(seq_id)
         return ready[0].base if ready else self.inner.committed_length(seq_id)
 
-    def served_by_preparation(self, seq_id: str, new_tokens: list[int], k: int) -> bool:
+    def served_by_preparation(self, seq_id: str, new_tokens: list[int], k: int, min_confidence: float = 0.0) -> bool:
         """Whether a call for this sequence would be served by what is prepared or being
-        prepared now (called from another thread, without the lock: a hint)."""
+        prepared now (called from another thread, without the lock: a hint). A preparation drafts
+        the k and min_confidence of the sequence's last call: one that asks more k, or another
+        min_confidence, drafts on demand (until stop 49 it waited for the preparation first)."""
         if k == 0:
             return True
         ready = self.ready.get(seq_id)
         outcomes = [p.assumed for p in ready] if ready else self.preparing.get(seq_id, [])
-        return new_tokens in outcomes
+        asked = self.last_ask.get(seq_id)
+        return new_tokens in outcomes and asked is not None and k <= asked[0] and min_confidence == asked[1]
 
     def _observe(self, item: ProposeItem) -> None:
         """Learn from the verifier's answer to this sequence's last draft."""

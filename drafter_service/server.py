@@ -212,8 +212,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def _propose(self, request):
         arrived = time.perf_counter()
+        if len({item.seq_id for item in request.items}) < len(request.items):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a sequence id appears twice in one Propose")
         if self.pipeline and self.proposer.preparing and not all(
-                self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k) for item in request.items):
+                self.proposer.served_by_preparation(item.seq_id, list(item.new_tokens), item.k, item.min_confidence)
+                for item in request.items):
             self.proposer.interrupt.set()  # drafting on demand follows: stop preparing guesses that lost
         with self._locked():
             locked = time.perf_counter()

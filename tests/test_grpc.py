@@ -73,7 +73,9 @@ def test_bad_requests_get_statuses_and_the_server_keeps_serving(stub):
     assert code_of(lambda: start(s, "a", prompt=[1] * 5000)) == grpc.StatusCode.OUT_OF_RANGE
     start(s, "ok")
     assert code_of(lambda: start(s, "ok")) == grpc.StatusCode.ALREADY_EXISTS
-    assert code_of(lambda: propose(s, "ok", k=65)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: propose(s, "ok", k=17)) == grpc.StatusCode.INVALID_ARGUMENT  # MAX_K = 16
+    twice = pb.ProposeRequest(items=[pb.ProposeItem(seq_id="ok", round=1, k=2)] * 2)
+    assert code_of(lambda: s.Propose(twice, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     bad_confidence = pb.ProposeRequest(items=[pb.ProposeItem(seq_id="ok", round=1, k=2, min_confidence=1.5)])
     assert code_of(lambda: s.Propose(bad_confidence, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     caught_up = s.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id="ok", round=1, new_tokens=[3, 4], k=0)]),

@@ -190,3 +190,20 @@ def test_a_failed_preparation_leaves_nothing_behind(fails, fanout):
         want = on_demand.propose([ProposeItem("s", answer, 4)])[0]
         assert got.tokens == want.tokens and torch.allclose(got.probs, want.probs, rtol=0, atol=1e-6)
         pipelined.speculate(["s"])  # and preparing works again
+
+
+def test_a_call_asking_more_than_was_prepared_is_not_taken_for_served():
+    """The server stops a preparation when the call that came in is not served by it (the call
+    then drafts on demand at once). A prepared draft serves a call for its outcome with at most its
+    k and the same min_confidence: until stop 49 the hint looked at the outcome only, so a call for
+    more k waited for the preparation it could not use."""
+    pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=6, layers=1))))
+    pipelined.start("s", [1, 2, 3, 4], SamplingParams(seed=1))
+    pipelined.propose([ProposeItem("s", [], 3)])
+    pipelined.speculate(["s"])
+    outcome = pipelined.ready["s"][0].assumed
+    assert pipelined.served_by_preparation("s", outcome, 3) and pipelined.served_by_preparation("s", outcome, 2)
+    assert not pipelined.served_by_preparation("s", outcome, 4)
+    assert not pipelined.served_by_preparation("s", outcome, 3, min_confidence=0.5)
+    assert not pipelined.served_by_preparation("s", outcome[:-1] + [outcome[-1] + 1], 3)
+    assert pipelined.propose([ProposeItem("s", outcome, 4)])[0].pipeline_hit is False  # as the hint said
