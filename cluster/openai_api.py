@@ -84,6 +84,7 @@ class CompletionRequest:
     method: str | None = None  # the proposer: draft_model, ngram or none (None: the deployment's default)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage, as OpenAI's
+    continuous_usage: bool = False  # and continuous_usage_stats (vLLM's): every chunk carries the usage so far
 
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing
@@ -151,8 +152,10 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
             raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or \
                 not all(isinstance(options.get(key, False), bool) for key in options):
-            raise _bad("'stream_options' must be an object with optional boolean 'include_usage'", "stream_options")
+            raise _bad("'stream_options' must be an object with optional booleans 'include_usage' and "
+                       "'continuous_usage_stats'", "stream_options")
         req.include_usage = options.get("include_usage", False)
+        req.continuous_usage = req.include_usage and options.get("continuous_usage_stats", False)
     req.ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
     n = _get(body, "n", 1, _is_int, lambda v: True, "an integer")
     if n != 1:
@@ -322,6 +325,11 @@ def role_chunk(cid: str, model: str) -> dict:
     chunk = completion_chunk(cid, model, "", None, chat=True)
     chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
     return chunk
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def usage_chunk(cid: str, model: str, usage: dict, chat: bool) -> dict:

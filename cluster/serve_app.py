@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.cluster.openai_api import (APIError, Detokenizer, chat_prompt, completion_chunk, completion_id,
                                           completion_response, parse_completion, parse_json, prompt_token_ids,
-                                          role_chunk, speculative_block, usage_chunk)
+                                          role_chunk, speculative_block, usage, usage_chunk)
 from specserve.config import DRAFTER_BUNDLE, SpecServeConfig
 
 log = logging.getLogger("specserve.serve")
@@ -442,21 +442,30 @@ class OpenAIIngress:
         (Detokenizer.tokens_used)."""
         stats = final["stats"] if final else {}
         finish_reason = "stop" if detok.stopped or (final and final["finish_reason"] == "stop") else "length"
-        n_tokens = detok.tokens_used()
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
-                 "total_tokens": len(prompt_ids) + n_tokens}
+        used = usage(len(prompt_ids), detok.tokens_used())
         spec = speculative_block(req.speculative and bool(final and final.get("k")),
                                  final.get("k", 0) if final else 0, stats, final.get("method") if final else None)
-        self.metrics.finished(finish_reason, timer.elapsed(), usage, stats)
-        return completion_response(cid, req.model, detok.text, finish_reason, usage, spec, chat=chat)
+        self.metrics.finished(finish_reason, timer.elapsed(), used, stats)
+        return completion_response(cid, req.model, detok.text, finish_reason, used, spec, chat=chat)
 
     async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer):
         """The SSE stream: (chat: the role first, as OpenAI's) text chunks, the finish chunk with
-        the `speculative` block, and with stream_options.include_usage a usage chunk; then [DONE]."""
+        the `speculative` block, and with stream_options.include_usage a usage chunk (with
+        continuous_usage_stats too, as vLLM's: every chunk carries the usage so far); then [DONE]."""
         final = None
+
+        def chunk(text: str, finish_reason: str | None = None) -> dict:
+            c = completion_chunk(cid, req.model, text, finish_reason, chat)
+            if req.continuous_usage:
+                c["usage"] = usage(len(prompt_ids), detok.tokens_used())
+            return c
+
         try:
             if chat:
-                yield sse_event(role_chunk(cid, req.model))
+                role = role_chunk(cid, req.model)
+                if req.continuous_usage:
+                    role["usage"] = usage(len(prompt_ids), 0)
+                yield sse_event(role)
             async for item in self._items(first, stream):
                 if "token_ids" in item:
                     if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
@@ -464,15 +473,15 @@ class OpenAIIngress:
                     timer.tokens(len(item["token_ids"]))
                     delta = detok.add(item["token_ids"])
                     if delta:
-                        yield sse_event(completion_chunk(cid, req.model, delta, None, chat))
+                        yield sse_event(chunk(delta))
                 else:
                     final = item
             if not detok.stopped:
                 tail = detok.flush()
                 if tail:
-                    yield sse_event(completion_chunk(cid, req.model, tail, None, chat))
+                    yield sse_event(chunk(tail))
             done = self._finish(cid, req, prompt_ids, detok, final, chat, timer)
-            last = completion_chunk(cid, req.model, "", done["choices"][0]["finish_reason"], chat)
+            last = chunk("", done["choices"][0]["finish_reason"])
             last["speculative"] = done["speculative"]
             yield sse_event(last)
             if req.include_usage:

@@ -148,6 +148,10 @@ def test_seeds_are_any_64_bit_integer_and_stream_options_need_a_stream():
         parse_completion({"model": "m", "prompt": "p", "seed": 2 ** 64}, "m")
     body = {"model": "m", "prompt": "p", "stream_options": {"include_usage": True}}
     assert parse_completion({**body, "stream": True}, "m").include_usage
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_completion({**body, "stream": True, "stream_options": both}, "m").continuous_usage
+    assert not parse_completion({**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+                                "m").continuous_usage  # as vLLM's: only with include_usage
     for bad in (body, {**body, "stream": True, "stream_options": {"include_usage": "yes"}},
                 {**body, "stream": True, "stream_options": {"other": True}}):
         with pytest.raises(APIError) as e:

@@ -121,6 +121,24 @@ def test_stop_strings_in_both_modes(server, client):
             full.usage.completion_tokens, stream
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
+    usage so far, growing to the final count (until stop 49 it was accepted and ignored)."""
+    for chat in (False, True):
+        kwargs = dict(model=MODEL, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                      stream_options={"include_usage": True, "continuous_usage_stats": True})
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs)
+                      if chat else client.completions.create(prompt="x = ", **kwargs))
+        *chunks, last = chunks
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == last.usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == last.usage.completion_tokens == 20, (chat, counts)
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    plain = list(client.completions.create(model=MODEL, prompt="x = ", max_tokens=5, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1])  # without it, only the last chunk
+
+
 def test_a_non_streamed_request_times_its_rounds(server, client):
     """A non-streamed request comes in one message, with the times of its rounds: its time to
     first token is its first round's, not the whole request's, and its later rounds are ITL."""
