@@ -122,6 +122,7 @@ def generate_distributed(target: str, drafter: str | None, prompt: str, max_toke
     fields: other SpecServeConfig fields (device, dtype, ...)."""
     from specserve.builder import check_pair
 
+    fields = {"k": k, **fields}  # the pair's k too: its warm-up widths and the policy's profile follow it
     tokenizer = check_pair(SpecServeConfig(target=target, drafter=drafter, **fields))
     pair = SpeculativePair(target, drafter, pipeline=pipeline, **fields)
     try:
