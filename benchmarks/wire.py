@@ -16,7 +16,7 @@ import torch
 
 from specserve.benchmarks.endpoint import write_results
 from specserve.config import REPO_ROOT
-from specserve.drafter.server import MAX_MESSAGE_BYTES
+from specserve.proto.transport import MAX_MESSAGE_BYTES
 from specserve.proto import speculative_pb2 as pb
 from specserve.proto.codec import WIRE_DTYPES, q_from_proto, q_to_proto
 

@@ -39,10 +39,19 @@ def start_ray(**kwargs) -> None:
     ray.init(**{"logging_level": "ERROR", "log_to_driver": False, **kwargs})
 
 
-def ensure_ray() -> None:
-    """Connects to the Ray cluster this process is configured for, or starts a local one."""
-    if not ray.is_initialized():
-        start_ray()
+def ensure_ray() -> bool:
+    """Connects to the Ray cluster this process is configured for, or starts a local one. Returns
+    whether it started one (no RAY_ADDRESS, no cluster of `ray start` on this machine): a cluster
+    nothing else will join."""
+    if ray.is_initialized():
+        return False
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # ray.init's own lookup
+        fresh = canonicalize_bootstrap_address(None) is None
+    except Exception:  # (a private helper: if it moved, assume a cluster that may grow)
+        fresh = False
+    start_ray()
+    return fresh
 
 
 class SpeculativePair:

@@ -442,7 +442,7 @@ class FastLlama:
         extra = ([parents.get(s, (s, 0))[0] for s in slot_of] + [parents.get(s, (s, 0))[1] for s in slot_of]
                  if branched else [])
         meta = to_device(pos + wslot + wpos + last + slot_of + [r if r >= 0 else 0 for r in rows] + extra,
-                            device=self.device)
+                         self.device)
         nt = big * t
         nl = len(last)
         pos_t, wslot_t, wpos_t = meta[:nt].view(big, t), meta[nt:2 * nt].view(big, t), meta[2 * nt:3 * nt].view(big, t)

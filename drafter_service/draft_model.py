@@ -118,17 +118,24 @@ class DraftModelProposer(Proposer):
                 return [Draft([], None) for _ in items]
             logits = self._catch_up([(seq, item.new_tokens) for seq, item in zip(seqs, items)])
             return self._draft(seqs, logits, [item.k for item in items], [item.min_confidence for item in items], stop)
-        except BaseException:  # Interrupted, or a pass that failed (out of memory, ...)
-            self.resync(seqs)
+        except BaseException as e:  # Interrupted, or a pass that failed (out of memory, ...)
+            self.resync(seqs, torn=not isinstance(e, Interrupted))
             raise
 
-    def resync(self, seqs: list[_Seq]) -> None:
+    def resync(self, seqs: list[_Seq], torn: bool = True) -> None:
         """After a pass that did not finish: each slot and its `cached` agree again, on the positions
         both hold. `cached` names its tokens before they are fed, and drafted positions are
         named only once the drafting loop ends, while a slot counts a position once its pass
         succeeded; a position the two disagreed on was fed anew or not at all, and until stop 49
-        that offset stayed for the sequence's life (its drafts came from a shifted context)."""
+        that offset stayed for the sequence's life (its drafts came from a shifted context).
+        torn: a pass failed part way. The lean forward counts a pass's positions only once it
+        succeeded, but the HF path's layers may then hold different lengths: its slots start
+        over (their tokens are fed again on the next call)."""
         for seq in seqs:
+            if torn and self.runner.fast is None:
+                self.runner.prefill_batch([(seq.slot, [])])
+                seq.cached.clear()
+                continue
             n = min(len(seq.cached), self.runner.seq_length(seq.slot))
             self.runner.rollback(self.runner.seq_length(seq.slot) - n, slot=seq.slot)
             del seq.cached[n:]

@@ -124,6 +124,7 @@ class PipelinedProposer(Proposer):
         self.prepared = 0  # outcomes prepared in them
         self.inner = inner
         self.max_length = inner.max_length
+        self.vocab_size = inner.vocab_size
         self.last: dict[str, Draft] = {}  # the draft most recently returned, per sequence
         self.last_ask: dict[str, tuple[int, float]] = {}  # its (k, min_confidence)
         self.last_conf: dict[str, list[tuple[float, int, float]]] = {}

@@ -16,7 +16,7 @@ A sequence whose verifier went away without a Release (a verifier crash, a lost 
 reclaimed once it has had no call for `seq_ttl_s`. The server pings every connection, and closes
 one whose verifier stopped answering (its host died, its network was cut), which ends its
 ProposeStream (`specserve.proto.transport`). The server binds to one address (the node's, from
-the actor) and refuses messages over `MAX_MESSAGE_BYTES`.
+the actor) and refuses messages over `specserve.proto.transport.MAX_MESSAGE_BYTES`.
 
 `DrafterTimes` counts where the server's time goes (Propose handlers, the model lock, drafting,
 preparations), for benchmarks to split a remote round into drafting and transport.

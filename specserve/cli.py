@@ -231,7 +231,7 @@ def cmd_serve(args) -> int:
 
     from specserve.cluster.pair import ensure_ray
     from specserve.cluster.serve_app import build_app
-    ensure_ray()
+    fresh = ensure_ray()
     have = ray.cluster_resources()
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
@@ -239,9 +239,9 @@ def cmd_serve(args) -> int:
         what = ", ".join(f"{need:g} {name} (it has {got:g})" for name, (need, got) in short.items())
         msg = (f"the app reserves {what}: {cfg.num_pairs} pair(s) of {len(cfg.bundles())} actor(s), "
                f"cpus_per_actor {cfg.cpus_per_actor:g}" + (f", gpus_per_actor {cfg.gpus_per_actor:g}" if cfg.gpu() else ""))
-        if not os.environ.get("RAY_ADDRESS"):  # a local Ray: nothing will join it
+        if fresh:  # the local Ray this command started: nothing will join it
             raise CLIError(f"{msg}; this machine's Ray cannot place it (fewer pairs or a smaller cpus_per_actor would fit)")
-        print(f"warning: {msg}; the cluster at RAY_ADDRESS has less now, so the app starts once it grows",
+        print(f"warning: {msg}; the Ray cluster joined has less now, so the app starts once it grows",
               file=sys.stderr, flush=True)
     serve.start(http_options={"host": host, "port": port})
     try:

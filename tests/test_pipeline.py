@@ -207,3 +207,37 @@ def test_a_call_asking_more_than_was_prepared_is_not_taken_for_served():
     assert not pipelined.served_by_preparation("s", outcome, 3, min_confidence=0.5)
     assert not pipelined.served_by_preparation("s", outcome[:-1] + [outcome[-1] + 1], 3)
     assert pipelined.propose([ProposeItem("s", outcome, 4)])[0].pipeline_hit is False  # as the hint said
+
+
+def test_a_pass_torn_between_layers_restarts_an_hf_path_slot():
+    """On the HF path (a non-Llama drafter) a pass that fails part way leaves its first layers one
+    position longer than the rest, which no rollback lines up: that slot starts over, fed again
+    on the next call, and drafts as the on-demand drafter does (a GPT-2 drafter whose second
+    layer fails in the drafting loop's second pass)."""
+    drafter = tiny_model("gpt2", V, seed=6)
+    params = SamplingParams(temperature=0.9, seed=4)
+    pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter)))
+    on_demand = DraftModelProposer(ModelRunner(drafter))
+    assert pipelined.inner.runner.fast is None  # the HF path
+    for p in (pipelined, on_demand):
+        p.start("s", [1, 2, 3, 4], params)
+        p.propose([ProposeItem("s", [], 4)])
+    layer, calls = drafter.transformer.h[1], []
+    real = layer.forward
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the bonus guess, the catch-up, the first drafting pass, then this one
+            raise RuntimeError("injected: out of memory")
+        return real(*args, **kwargs)
+
+    layer.forward = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        pipelined.speculate(["s"])
+    layer.forward = real
+    runner, seq = pipelined.inner.runner, pipelined.inner.seqs["s"]
+    assert runner.seq_length(seq.slot) == len(seq.cached) == 0 and seq.tokens == [1, 2, 3, 4]
+    for answer in ([9, 8], [3]):
+        got = pipelined.propose([ProposeItem("s", answer, 4)])[0]
+        want = on_demand.propose([ProposeItem("s", answer, 4)])[0]
+        assert got.tokens == want.tokens and torch.allclose(got.probs, want.probs, rtol=0, atol=1e-5)

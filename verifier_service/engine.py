@@ -246,6 +246,8 @@ class SpeculativeEngine:
         proposer is available (the default without a drafter, the fallback while it is down);
         speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
         for up to max_k drafts, and the drafter's on-demand calls, now)."""
+        if not 1 <= max_k <= MAX_K:
+            raise ValueError(f"max_k must be in [1, {MAX_K}], got {max_k}")
         if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
             raise ValueError(f"the drafter's vocabulary ({proposer.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")
