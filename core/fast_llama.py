@@ -8,8 +8,9 @@ to HF otherwise; the tests compare it with HF's own `generate`.
 
 One pass (`forward_ids`) appends tokens to several slots at once (ragged lengths allowed):
 
-- Host work is a few integer lists; they cross to the device as ONE tensor. Token ids may
-  already be on the device (the drafter feeds its sampled drafts back without reading them).
+- Host work is a few integer lists; they cross to the device as ONE tensor, pinned and without
+  waiting for the device (`core.device.to_device`). Token ids may already be on the device (the
+  drafter feeds its sampled drafts back without reading them).
 - Compiled, shapes are padded so the pass has one shape family: at least 2 rows and 2 columns (a
   compiled graph specialises sizes 0 and 1). Always, the attended length is rounded up to a multiple of
   `LENGTH_BUCKET`. Padding tokens write their K/V to the cache's scratch slot, never to a live one.
@@ -21,8 +22,11 @@ One pass (`forward_ids`) appends tokens to several slots at once (ragged lengths
   free slot, and the batch is sorted by slot) the keys are a view of the cache; otherwise the rows'
   slots are gathered.
 - `torch.compile` (inductor on a CPU, CUDA graphs on a GPU through mode "reduce-overhead") wraps
-  the layer stack, with dynamic sizes, so one graph serves every batch size, width and length.
-  `warmup()` compiles it ahead of the first request; the compiled code is cached on disk
+  the layer stack, with dynamic sizes, so one compiled graph serves every batch size, width and
+  length. On a GPU, though, CUDA graphs are recorded per concrete shape (rows, width, bucketed
+  length): the first pass of each new shape records one (a stall, and memory kept for it), and
+  warm-up records only the shapes it runs (not measured yet: no GPU has run this code; its output
+  is copied, since the next replay of a graph rewrites it). `warmup()` compiles it ahead of the first request; the compiled code is cached on disk
   (`TORCHINDUCTOR_CACHE_DIR`, see `specserve.core.runner.compile_cache_dir`), so a restart skips it.
 
 KV cache: a `kv_cache.SlotKVCache`. Writing appends at [length, length + n); rollback moves the
