@@ -15,6 +15,9 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("specserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.failures = Counter("specserve_request_failures", "Completion requests that did not finish, by the HTTP "
+                                "status they got (in the stream's error event, once streaming), or 'cancelled': "
+                                "the client went away", ["status"], registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -38,6 +41,8 @@ class Metrics:
                                        "drafter had prepared outcomes", registry=r)
         self.prepared_outcomes = Counter("specserve_pipeline_prepared_outcomes", "Outcomes the drafter had prepared "
                                          "for those rounds (over prepared_rounds: the fan-out used)", registry=r)
+        self.pairs = Gauge("specserve_pairs_reporting", "Pairs whose state is in the gauges below (a pair that "
+                           "did not answer in time is left out of their sums)", registry=r)
         self.running = Gauge("specserve_num_requests_running", "Sequences in the engines' batches", registry=r)
         self.waiting = Gauge("specserve_num_requests_waiting", "Sequences queued for a slot", registry=r)
         self.speculating = Gauge("specserve_spec_decode_policy_speculating", "Pairs whose speculation policy "
@@ -82,6 +87,7 @@ class Metrics:
             self.drafts_by_method.labels(method).inc(n)
 
     def render(self, loads: list[dict]) -> bytes:
+        self.pairs.set(len(loads))
         self.running.set(sum(x["running"] for x in loads))
         self.waiting.set(sum(x["waiting"] for x in loads))
         self.speculating.set(sum(x.get("speculating", 0) for x in loads))

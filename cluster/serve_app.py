@@ -19,6 +19,7 @@ Deployments:
 
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -333,26 +334,45 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self):
-        try:
-            loads = await asyncio.wait_for(self.pair.broadcast("load").results_async(), timeout=HEALTH_TIMEOUT_S)
-        except Exception:  # no pair up (starting, restarting): the ingress's own series still answer
+        try:  # a pair that failed is left out of the sums (specserve_pairs_reporting says how many are in)
+            loads = await self.pair.broadcast("load").results_async(timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+        except Exception:  # no pair up (starting, restarting), or one too slow: the ingress's own series still answer
             loads = []
+        loads = [x for x in loads if isinstance(x, dict)]
         return PlainTextResponse(self.metrics.render(loads), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        self._authorize(request)
-        body = await self._json(request)
-        req = parse_completion(body, self.cfg.model)
-        return await self._serve(req, req.prompt, chat=False)
+        with self._counting_failures():
+            self._authorize(request)
+            body = await self._json(request)
+            req = parse_completion(body, self.cfg.model)
+            return await self._serve(req, req.prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        self._authorize(request)
-        body = await self._json(request)
-        prompt = chat_prompt(body, self.tokenizer)
-        req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
-        return await self._serve(req, prompt, chat=True)
+        with self._counting_failures():
+            self._authorize(request)
+            body = await self._json(request)
+            prompt = chat_prompt(body, self.tokenizer)
+            req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
+            return await self._serve(req, prompt, chat=True)
+
+    @contextlib.contextmanager
+    def _counting_failures(self):
+        """specserve_request_failures by status: what a completion route raised (a stream's own
+        failures, once it has begun, are counted in `_stream`)."""
+        try:
+            yield
+        except APIError as e:
+            self.metrics.failures.labels(str(e.status)).inc()
+            raise
+        except asyncio.CancelledError:  # the client went away before the answer
+            self.metrics.failures.labels("cancelled").inc()
+            raise
+        except Exception:  # answered 500 by the app's handler
+            self.metrics.failures.labels("500").inc()
+            raise
 
     # ------------------------------------------------------------------ helpers
     def _model_card(self) -> dict:
@@ -487,8 +507,15 @@ class OpenAIIngress:
             if req.include_usage:
                 yield sse_event(usage_chunk(cid, req.model, done["usage"], chat))
         except APIError as e:
+            self.metrics.failures.labels(str(e.status)).inc()
             yield sse_event(e.body())
-        finally:  # also runs when the client disconnects mid-stream
+        except (asyncio.CancelledError, GeneratorExit):  # the client disconnected mid-stream
+            self.metrics.failures.labels("cancelled").inc()
+            raise
+        except Exception:  # a bug: the stream breaks off
+            self.metrics.failures.labels("500").inc()
+            raise
+        finally:
             stream.cancel()
         yield "data: [DONE]\n\n"
 

@@ -79,6 +79,12 @@ def test_drafter_dies_mid_generation_then_comes_back(models, fallback):
         for p, r in zip(PROMPTS, reqs):
             assert r.error is None and r.finish_reason == "length"
             assert r.out == plain(target, p)  # greedy output unchanged by the failure
+            # every drafted round counted under the proposer that drafted it (until stop 49 a round whose
+            # early send failed went to the fallback, or nowhere), and by outcome only draft-model rounds
+            # right after one (none after the n-gram's or plain rounds: nothing was prepared for those)
+            s = r.stats
+            assert sum(s.drafts_by_method.values()) == s.num_drafts
+            assert sum(s.outcome_rounds) < s.drafts_by_method["draft_model"] and s.num_pipeline_hits <= s.num_drafts
         engine.step()  # releases go out after the round
         assert eventually(lambda: servicer2.live_sequences == 0)
     finally:

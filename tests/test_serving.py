@@ -236,6 +236,7 @@ def test_16_concurrent_streams_equal_solo(server, client):
 
 
 def test_disconnect_frees_the_sequence(server):
+    cancelled = metric(server, "specserve_request_failures_total", '{status="cancelled"}')
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server + "/v1/completions", json={
                 "model": MODEL, "prompt": "a", "max_tokens": 480, "temperature": 0.9, "stream": True,
@@ -248,6 +249,24 @@ def test_disconnect_frees_the_sequence(server):
     while metric(server, "specserve_num_requests_running") != 0:
         assert time.monotonic() < deadline, "the dropped stream's sequence is still running"
         time.sleep(0.2)
+    # and it is counted: a failure, "cancelled" (until stop 49 no counter saw a request that did not finish)
+    assert metric(server, "specserve_request_failures_total", '{status="cancelled"}') == cancelled + 1
+    assert metric(server, "specserve_pairs_reporting") >= 1
+
+
+def test_failed_requests_are_counted_by_status(server, client):
+    import openai
+    before = {s: metric(server, "specserve_request_failures_total", f'{{status="{s}"}}') for s in ("400", "404")}
+    finished = metric(server, "specserve_requests_total", '{finish_reason="length"}')
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert metric(server, "specserve_request_failures_total", '{status="404"}') == before["404"] + 1
+    assert metric(server, "specserve_request_failures_total", '{status="400"}') == before["400"] + 2
+    assert metric(server, "specserve_requests_total", '{finish_reason="length"}') == finished  # and not finished
 
 
 def test_metrics_follow_usage(server, client):

@@ -71,8 +71,8 @@ class SpecStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_pipeline_hits: int = 0  # rounds whose draft was ready from pipelined drafting
     rounds_by_k: list[int] = field(default_factory=list)  # rounds by the k the policy chose
-    # drafted rounds, and pipeline hits among them, by the outcome of the round before: index a =
-    # drafts accepted then (the drafter prepares for the outcome "all accepted")
+    # draft-model rounds right after a draft-model round, and pipeline hits among them, by the outcome
+    # of the round before: index a = drafts accepted then (the drafter prepares for "all accepted")
     outcome_rounds: list[int] = field(default_factory=list)
     outcome_hits: list[int] = field(default_factory=list)
     drafts_by_method: dict[str, int] = field(default_factory=dict)  # drafted rounds by proposer
@@ -219,8 +219,8 @@ class Request:
     method: str = "none"  # the proposer asked for: see METHODS
     via: str | None = None  # the proposer this sequence is started on now (its current incarnation)
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the policy
-    previous_accepted: int | None = None  # drafts accepted in its last drafted round
-    previous_k: int = 0  # drafts in its last drafted round
+    previous_accepted: int | None = None  # drafts accepted in its last round, if the drafter drafted it
+    previous_k: int = 0  # drafts in that round
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
     resting: bool = False  # joined while the drafter rests (`SpeculativeEngine._resting`): not started on it yet
     done: threading.Event = field(default_factory=threading.Event)
@@ -776,27 +776,30 @@ class SpeculativeEngine:
         t_join = time.perf_counter()
         self._finish_starts(wait=False)  # (before this round's tokens are counted as not sent to the drafter)
         t_join = time.perf_counter() - t_join  # ("start", not the round's "rest")
+        vias = [req.via for req in running]  # who drafted this round (a failed early send moves a request on)
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
-        for req, draft, outcome, k, c, done in zip(running, drafts, outcomes, ks, chosen, committed):
+        for req, draft, outcome, k, c, done, via in zip(running, drafts, outcomes, ks, chosen, committed, vias):
             if outcome is None:  # non-finite numbers: this request fails, the round goes on
                 req.error = RequestFailed("the model produced non-finite logits")
                 self._finish(req, "error")
                 continue
             num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
-            req.stats.record(k, num_accepted, c, req.via)
-            self.policy.observe_acceptance(req.acceptance, k, num_accepted, req.via)
-            req.stats.num_pipeline_hits += draft.pipeline_hit
+            req.stats.record(k, num_accepted, c, via)
+            self.policy.observe_acceptance(req.acceptance, k, num_accepted, via)
+            req.stats.num_pipeline_hits += bool(k and draft.pipeline_hit)  # (a prepared draft may be cut to nothing)
             if k and draft.prepared:
                 req.stats.num_prepared_rounds += 1
                 req.stats.num_prepared_outcomes += draft.prepared
-            if k and req.previous_accepted is not None:
+            # hits by the outcome of the round before: draft-model rounds right after a draft-model round
+            # (after a plain round, or an n-gram one, nothing was prepared for the drafter to have ready)
+            drafted = bool(k) and via == "draft_model"
+            if drafted and req.previous_accepted is not None:
                 req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
                 if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
-                    self.policy.observe_ready(req.via, draft.pipeline_hit)
-            if k:
-                req.previous_accepted, req.previous_k = num_accepted, k
+                    self.policy.observe_ready(via, draft.pipeline_hit)
+            req.previous_accepted, req.previous_k = (num_accepted, k) if drafted else (None, 0)
             emitted, stopped = done
             req.out += emitted
             written += len(emitted)
