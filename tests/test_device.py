@@ -153,6 +153,7 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert [(r["dtype"], r["draft_vocab"]) for r in report["in_process"]] == \
         [("torch.float32", 1024), ("torch.bfloat16", 1024), ("torch.bfloat16", "off")]  # the demo drafter's, or none
     assert report["in_process"][0]["greedy_equal"] == 1
+    assert all(0 < r["sampled_acceptance"] <= 1 for r in report["in_process"])  # the demo pair agrees, sampled
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
     split = {m: r["probe"] for m, r in report["distributed"]["round_split"].items()}  # where the rounds went
     assert split["speculative"]["drafter_proposes"] > 0 and split["pipelined"]["drafter_preparations"] > 0
