@@ -103,11 +103,9 @@ def test_unknown_policy_is_refused():
         PipelinedProposer(DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=0))), "sometimes")
 
 
-@pytest.mark.parametrize("fanout", [1, 3])
-def test_an_interrupted_preparation_leaves_nothing_behind(fanout):
-    """The drafter server stops a preparation between passes when the verifier comes back with an
-    outcome it does not cover: nothing is kept, every branch slot is free again, and the next
-    draft equals the on-demand one."""
+def sampled_pair_after_one_round(fanout):
+    """A pipelined drafter (two branch slots) and an on-demand one, a sampled sequence started on
+    each and drafted for once."""
     drafter = tiny_model("llama", V, seed=6, layers=1)
     params = SamplingParams(temperature=0.9, seed=4)
     pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=3), branch_slots=2), fanout=fanout)
@@ -115,6 +113,15 @@ def test_an_interrupted_preparation_leaves_nothing_behind(fanout):
     for p in (pipelined, on_demand):
         p.start("s", [1, 2, 3, 4], params)
         p.propose([ProposeItem("s", [], 4)])
+    return pipelined, on_demand
+
+
+@pytest.mark.parametrize("fanout", [1, 3])
+def test_an_interrupted_preparation_leaves_nothing_behind(fanout):
+    """The drafter server stops a preparation between passes when the verifier comes back with an
+    outcome it does not cover: nothing is kept, every branch slot is free again, and the next
+    draft equals the on-demand one."""
+    pipelined, on_demand = sampled_pair_after_one_round(fanout)
     passes = []
     pipelined.interrupt = type("AfterOnePass", (), {"is_set": lambda self: passes.append(1) or len(passes) > 1})()
     pipelined.speculate(["s"])
@@ -158,13 +165,7 @@ def test_a_failed_preparation_leaves_nothing_behind(fails, fanout):
     branch slot is free, and the next drafts equal on-demand ones. The failure is injected into the
     guess of the bonus token's pass, the catch-up on the assumed outcome, the drafting loop's second
     pass, or the second branch's fork."""
-    drafter = tiny_model("llama", V, seed=6, layers=1)
-    params = SamplingParams(temperature=0.9, seed=4)
-    pipelined = PipelinedProposer(DraftModelProposer(ModelRunner(drafter, slots=3), branch_slots=2), fanout=fanout)
-    on_demand = DraftModelProposer(ModelRunner(drafter))
-    for p in (pipelined, on_demand):
-        p.start("s", [1, 2, 3, 4], params)
-        p.propose([ProposeItem("s", [], 4)])
+    pipelined, on_demand = sampled_pair_after_one_round(fanout)
     runner = pipelined.inner.runner
     method, nth = {"bonus": ("score_batch", 1), "catch_up": ("score_batch", 2), "draft": ("score_ids", 2),
                    "fork": ("fork", 2)}[fails]
