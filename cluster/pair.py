@@ -65,7 +65,11 @@ class SpeculativePair:
         self.config = cfg = SpecServeConfig(target=target, drafter=drafter, pipeline=pipeline, **fields)
         bundles = cfg.bundles()
         self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except BaseException:  # not placed in time: a pending group would take the resources once they appear
+            remove_placement_group(self.pg)
+            raise
 
         def strategy(index):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)

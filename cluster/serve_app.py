@@ -526,6 +526,7 @@ def build_app(args: dict | None = None):
     queue (num_pairs x (max_num_seqs + max_waiting)) plus headroom for /health and /metrics, so the
     engines' own bound answers overload with a prompt 503; Serve's queue in front is bounded too."""
     cfg = SpecServeConfig.from_dict(args)
+    cfg.use_gpu = cfg.gpu()  # decided here, once, with the bundles: the replica's drafter asks what its bundle holds
     bundle = cfg.bundle()
     pair = PairReplica.options(
         num_replicas=cfg.num_pairs,

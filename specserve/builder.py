@@ -73,6 +73,9 @@ class DrafterHandle:
     def __init__(self, cfg: SpecServeConfig, scheduling_strategy=None):
         self.cfg = cfg
         self.scheduling_strategy = scheduling_strategy
+        # decided once, with its bundle: a drafter recreated hours later asked the cluster again
+        # (use_gpu: null), and a GPU that joined since did not fit the CPU bundle it was placed in
+        self.num_gpus = cfg.bundle().get("GPU", 0)
         self.actor = None
         self._start()
 
@@ -80,7 +83,7 @@ class DrafterHandle:
         from specserve.drafter.actor import DrafterActor
 
         cfg = self.cfg
-        self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.bundle().get("GPU", 0),
+        self.actor = DrafterActor.options(num_cpus=cfg.cpus_per_actor, num_gpus=self.num_gpus,
                                           max_restarts=-1, scheduling_strategy=self.scheduling_strategy).remote(
             cfg.drafter, cfg.pipeline, cfg.threads, max_sequences=cfg.max_num_seqs, seq_ttl_s=cfg.drafter_seq_ttl_s,
             device=cfg.device, dtype=cfg.dtype, q_dtype=cfg.q_dtype, compile=cfg.compile, fanout=cfg.fanout,
@@ -91,7 +94,9 @@ class DrafterHandle:
 
         try:
             return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
-        except ray.exceptions.ActorDiedError:  # killed for good (no restart): a new one in its place
+        except ray.exceptions.ActorDiedError as e:  # killed for good (no restart): a new one in its place,
+            if e.actor_init_failed:  # unless its constructor raised: a second would too (it loaded twice)
+                raise
             self._start()
             return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
 

@@ -9,6 +9,7 @@ import ray
 from conftest import assert_follows, near, sequence_probs
 
 from specserve.cluster.pair import SpeculativePair
+from specserve.config import SpecServeConfig
 from specserve.training.tiny import make_tiny_pair, tiny_model, tiny_tokenizer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams
@@ -174,6 +175,36 @@ def test_device_auto_in_a_ray_worker_follows_the_gpus_it_holds(ray_session):
     assert ray_session.get(ray_session.remote(num_gpus=0, max_calls=1)(auto).remote()) == ([], "cpu")
     held, device = ray_session.get(ray_session.remote(num_gpus=1, max_calls=1)(auto).remote())
     assert len(held) == 1 and device == "cuda"
+
+
+def test_a_drafter_whose_constructor_fails_is_started_once(ray_session, monkeypatch):
+    """A drafter actor whose constructor raised was taken for one killed for good and started again:
+    every bad start loaded the model twice before the error came, and the engine's reconnects
+    reloaded it for ever. Here the actor asks for CUDA on a machine without it."""
+    import torch
+
+    from specserve.builder import DrafterHandle
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the constructor would not fail")
+    starts, real = [], DrafterHandle._start
+    monkeypatch.setattr(DrafterHandle, "_start", lambda self: starts.append(1) or real(self))
+    handle = DrafterHandle(SpecServeConfig(device="cuda", use_gpu=False))
+    try:
+        with pytest.raises(ray_session.exceptions.ActorDiedError, match="no CUDA GPU") as e:
+            handle.address()
+        assert e.value.actor_init_failed and len(starts) == 1
+    finally:
+        handle.kill()
+
+
+def test_the_app_decides_use_gpu_once_with_its_bundles(ray_session):
+    """use_gpu: null is decided where the bundles are made, and the replica gets that decision: it
+    used to decide again when it started its drafter (and when it recreated it, hours later), so a
+    cluster whose GPUs came or went in between gave the drafter a GPU its bundle lacked, or none."""
+    from specserve.cluster.serve_app import build_app
+    ingress = build_app({"use_gpu": None})._bound_deployment  # (the test session's Ray has 4 logical GPUs)
+    pair = ingress.init_args[0]._bound_deployment
+    assert pair.init_args[0]["use_gpu"] is True and pair.ray_actor_options["num_gpus"] == 1
 
 
 def test_actors_get_different_gpus(ray_session, pairs):
