@@ -219,8 +219,9 @@ class Request:
     method: str = "none"  # the proposer asked for: see METHODS
     via: str | None = None  # the proposer this sequence is started on now (its current incarnation)
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the policy
-    previous_accepted: int | None = None  # drafts accepted in its last round, if the drafter drafted it
-    previous_k: int = 0  # drafts in that round
+    previous_accepted: int | None = None  # drafts accepted in its last drafted round
+    previous_k: int = 0  # drafts in its last drafted round
+    previous_drafted: bool = False  # whether its last round was drafted by the draft model
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
     resting: bool = False  # joined while the drafter rests (`SpeculativeEngine._resting`): not started on it yet
     done: threading.Event = field(default_factory=threading.Event)
@@ -792,14 +793,20 @@ class SpeculativeEngine:
             if k and draft.prepared:
                 req.stats.num_prepared_rounds += 1
                 req.stats.num_prepared_outcomes += draft.prepared
-            # hits by the outcome of the round before: draft-model rounds right after a draft-model round
-            # (after a plain round, or an n-gram one, nothing was prepared for the drafter to have ready)
             drafted = bool(k) and via == "draft_model"
-            if drafted and req.previous_accepted is not None:
-                req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
+            if k and req.previous_accepted is not None:
+                # hits by the outcome of the round before, in the stats: draft-model rounds right after a
+                # draft-model round (after a plain or an n-gram round nothing was prepared to be ready)
+                if drafted and req.previous_drafted:
+                    req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
+                # the policy's hit rate h learns from every drafted round after its last drafted round, as
+                # before stop 49 (its effect on the policy's choices of leaving out rounds after plain ones
+                # was not measured)
                 if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
                     self.policy.observe_ready(via, draft.pipeline_hit)
-            req.previous_accepted, req.previous_k = (num_accepted, k) if drafted else (None, 0)
+            if k:
+                req.previous_accepted, req.previous_k = num_accepted, k
+            req.previous_drafted = drafted
             emitted, stopped = done
             req.out += emitted
             written += len(emitted)
