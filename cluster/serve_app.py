@@ -364,15 +364,16 @@ class OpenAIIngress:
         failures, once it has begun, are counted in `_stream`)."""
         try:
             yield
-        except APIError as e:
-            self.metrics.failures.labels(str(e.status)).inc()
+        except BaseException as e:
+            self._count_failure(e)
             raise
-        except asyncio.CancelledError:  # the client went away before the answer
-            self.metrics.failures.labels("cancelled").inc()
-            raise
-        except Exception:  # answered 500 by the app's handler
-            self.metrics.failures.labels("500").inc()
-            raise
+
+    def _count_failure(self, error: BaseException) -> None:
+        """An APIError by its status; the client gone away (before the answer or mid-stream) as
+        "cancelled"; anything else, answered 500 or breaking a stream off, as "500"."""
+        status = (str(error.status) if isinstance(error, APIError) else
+                  "cancelled" if isinstance(error, (asyncio.CancelledError, GeneratorExit)) else "500")
+        self.metrics.failures.labels(status).inc()
 
     # ------------------------------------------------------------------ helpers
     def _model_card(self) -> dict:
@@ -507,13 +508,10 @@ class OpenAIIngress:
             if req.include_usage:
                 yield sse_event(usage_chunk(cid, req.model, done["usage"], chat))
         except APIError as e:
-            self.metrics.failures.labels(str(e.status)).inc()
+            self._count_failure(e)
             yield sse_event(e.body())
-        except (asyncio.CancelledError, GeneratorExit):  # the client disconnected mid-stream
-            self.metrics.failures.labels("cancelled").inc()
-            raise
-        except Exception:  # a bug: the stream breaks off
-            self.metrics.failures.labels("500").inc()
+        except BaseException as e:  # the client disconnected mid-stream, or a bug broke it off
+            self._count_failure(e)
             raise
         finally:
             stream.cancel()

@@ -125,8 +125,7 @@ def cmd_generate(args) -> int:
             from ray.exceptions import RayError
             if not isinstance(e, RayError):
                 raise
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            raise CLIError(f"the pair did not start: {type(e).__name__}: {lines[-1] if lines else ''} "
+            raise CLIError(f"the pair did not start: {type(e).__name__}: {last_line(e, '')} "
                            "(the actors' logs under /tmp/ray/session_latest/logs have the rest)") from None
     else:
         try:
@@ -158,6 +157,12 @@ def cmd_generate(args) -> int:
               f"acceptance rate {stats['acceptance_rate']:.2f}, mean acceptance length "
               f"{stats['mean_acceptance_length']:.2f}, finish_reason {result.finish_reason}", file=sys.stderr)
     return 0
+
+
+def last_line(error: Exception, default: str) -> str:
+    """The last non-blank line of an error's message (Ray's end with the cause), else `default`."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else default
 
 
 def load_serve_config(path: str | None) -> tuple[dict, dict]:
@@ -247,8 +252,7 @@ def cmd_serve(args) -> int:
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise CLIError(f"the app did not start: {lines[-1] if lines else type(e).__name__} "
+        raise CLIError(f"the app did not start: {last_line(e, type(e).__name__)} "
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
     url = f"http://{'localhost' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}"
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
