@@ -97,7 +97,7 @@ class PairReplica:
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
             self.drafter = start_drafter(cfg, strategy, checked=True)
-        self.engine = build_engine(cfg, self.drafter.address if self.drafter else None, checked=True)
+        self.engine = build_engine(cfg, self.drafter, checked=True)
         self.engine.start()
         self.k = cfg.k if self.engine.proposers else 0
         self.stream_interval_s = cfg.stream_interval_ms / 1000.0

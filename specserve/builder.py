@@ -8,8 +8,9 @@ fallback while the drafter is down) and the config's speculation policy.
 - `build_engine(cfg)`: in process, the target and (if any) the drafter in this process
   (`specserve generate`, benchmarks, tests, and a colocated pair's verifier: `colocate`);
 - `build_engine(cfg, drafter)`: the verifier's side of a distributed pair, drafting over gRPC
-  (the Ray pair's verifier actor, each Serve replica); `drafter` is an address or a callable
-  that finds it (again, after a failure: `DrafterHandle.address`);
+  (the Ray pair's verifier actor, each Serve replica); `drafter` is the drafter actor's
+  `DrafterHandle` (found again after a failure, and restarted if it hangs), an address, or a
+  callable that finds it;
 - `start_drafter(cfg, scheduling_strategy)`: the drafter's side, a Ray actor running the gRPC
   server, restarted by Ray when its process dies and recreated when it was killed for good;
   returns its `DrafterHandle`.
@@ -36,10 +37,12 @@ def check_pair(cfg: SpecServeConfig):
     return tokenizer
 
 
-def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] | None = None,
+def build_engine(cfg: SpecServeConfig, drafter: DrafterHandle | str | Callable[[], str] | None = None,
                  checked: bool = False):
-    """The verifier side: target runner + proposer + engine (not started). checked: the caller
-    ran `check_pair(cfg)` already (it is not run again)."""
+    """The verifier side: target runner + proposer + engine (not started). drafter: where the
+    remote drafter is (None: in this process, or none); a `DrafterHandle` is also restarted when
+    it hangs (`cfg.drafter_hang_s`). checked: the caller ran `check_pair(cfg)` already (it is not
+    run again)."""
     from specserve.verifier.engine import SpeculativeEngine
 
     if not checked:
@@ -48,9 +51,12 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
                                          dtype=cfg.dtype, compile=cfg.compile)
     target.warmup(widths=(1, cfg.k + 1))  # compiles now (when compiled), not on the first request
     proposer = None
-    if cfg.drafter is not None and drafter_address is not None:
+    if cfg.drafter is not None and isinstance(drafter, DrafterHandle):
         from specserve.verifier.client import RemoteProposer
-        proposer = RemoteProposer(drafter_address)  # (the engine checks its vocabulary against the target's)
+        proposer = RemoteProposer(drafter.address, drafter=drafter, hang_s=cfg.drafter_hang_s)
+    elif cfg.drafter is not None and drafter is not None:
+        from specserve.verifier.client import RemoteProposer
+        proposer = RemoteProposer(drafter)  # (the engine checks its vocabulary against the target's)
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", role="drafter", slots=cfg.max_num_seqs,
@@ -66,9 +72,11 @@ def build_engine(cfg: SpecServeConfig, drafter_address: str | Callable[[], str] 
 class DrafterHandle:
     """A pair's drafter actor. Ray restarts it when its process dies (max_restarts); `address()`
     finds it again (a restarted server listens on a new port) and recreates the actor if it was
-    killed for good. Picklable: the verifier actor resolves through its own copy."""
+    killed for good; `restart()` has Ray start a hung one again (the verifier's RemoteProposer
+    decides, with `running()`). Picklable: the verifier actor resolves through its own copy."""
 
-    RESOLVE_TIMEOUT_S = 120.0  # a restarting drafter loads its model first
+    RESOLVE_TIMEOUT_S = 120.0  # the first start loads the model (and compiles, on a GPU)
+    RERESOLVE_TIMEOUT_S = 10.0  # later: the caller (the verifier's reconnect loop) asks again
 
     def __init__(self, cfg: SpecServeConfig, scheduling_strategy=None):
         self.cfg = cfg
@@ -77,6 +85,7 @@ class DrafterHandle:
         # (use_gpu: null), and a GPU that joined since did not fit the CPU bundle it was placed in
         self.num_gpus = cfg.bundle().get("GPU", 0)
         self.actor = None
+        self.resolved = False  # answered once: later resolves wait RERESOLVE_TIMEOUT_S, not the first start's
         self._start()
 
     def _start(self) -> None:
@@ -90,15 +99,37 @@ class DrafterHandle:
             draft_vocab=cfg.draft_vocab)
 
     def address(self) -> str:
+        """Raises GetTimeoutError when the actor does not answer in time (restarting, hung)."""
         import ray
 
         try:
-            return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+            address = ray.get(self.actor.get_address.remote(),
+                              timeout=self.RERESOLVE_TIMEOUT_S if self.resolved else self.RESOLVE_TIMEOUT_S)
         except ray.exceptions.ActorDiedError as e:  # killed for good (no restart): a new one in its place,
             if e.actor_init_failed:  # unless its constructor raised: a second would too (it loaded twice)
                 raise
             self._start()
-            return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+            address = ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+        self.resolved = True
+        return address
+
+    def running(self) -> int | None:
+        """The process id of the actor's running process; None while it restarts (its model
+        loading), once it is dead, and when Ray cannot say. (Ray's public state API needs the
+        dashboard; this asks the GCS as `ray.util.state` would, through this worker's connection.)"""
+        from ray._private import state
+
+        try:
+            actor = state.actors(self.actor._actor_id.hex())
+            return int(actor["Pid"]) if actor["State"] == "ALIVE" else None
+        except Exception:
+            return None
+
+    def restart(self) -> None:
+        """Kills the actor's process; Ray starts it again (a new port: `address()` finds it)."""
+        import ray
+
+        ray.kill(self.actor, no_restart=False)
 
     def kill(self) -> None:
         import ray

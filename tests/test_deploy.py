@@ -92,6 +92,7 @@ APP_ARGS = {
     "placement_strategy": (str,),
     "request_timeout_s": (int, float, type(None)),
     "drafter_seq_ttl_s": (int, float),
+    "drafter_hang_s": (int, float),
     "stream_interval_ms": (int, float),
     "api_key": (str, type(None)),
 }

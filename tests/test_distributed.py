@@ -197,6 +197,42 @@ def test_a_drafter_whose_constructor_fails_is_started_once(ray_session, monkeypa
         handle.kill()
 
 
+def test_a_hung_drafter_is_restarted(ray_session, pairs):
+    """A drafter whose process is stopped (SIGSTOP) runs, as far as Ray knows, and answers nothing.
+    The pair went on with the n-gram fallback for good: its reconnect loop asked the hung actor
+    again and again. Now, silent for drafter_hang_s while Ray reports it running, it is restarted,
+    and speculation resumes on the new process. Greedy output is the same throughout."""
+    import os
+    import signal
+
+    from conftest import eventually
+
+    from specserve.builder import build_engine, start_drafter
+    target, drafter = pairs[0]
+    cfg = SpecServeConfig(target=target, drafter=drafter, cpus_per_actor=1, speculation="fixed", drafter_hang_s=1)
+    handle = start_drafter(cfg)
+    handle.RERESOLVE_TIMEOUT_S = 2.0  # (10 s in service: asking a stopped actor waits that long)
+    engine = build_engine(cfg, handle)
+    engine.start()
+    try:
+        prompt, n = [5, 6, 7], 40
+        want = plain_greedy(target, prompt, n).token_ids
+        assert engine.generate(prompt, n, SamplingParams(), 3).token_ids == want
+        pid = ray.get(handle.actor.pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        during = engine.generate(prompt, n, SamplingParams(), 3)  # a missed deadline, then the fallback
+        assert during.token_ids == want and engine.health()["status"] == "degraded"
+        assert eventually(lambda: engine.health()["status"] == "ok", within_s=120), engine.health()
+        assert engine.proposer.restarts == 1
+        assert ray.get(handle.actor.pid.remote(), timeout=30) != pid
+        assert eventually(lambda: not os.path.exists(f"/proc/{pid}"), within_s=30)  # the stopped process is gone
+        after = engine.generate(prompt, n, SamplingParams(), 3)
+        assert after.token_ids == want and after.stats.drafts_by_method.get("draft_model", 0) > 0
+    finally:
+        engine.stop()
+        handle.kill()
+
+
 def test_the_app_decides_use_gpu_once_with_its_bundles(ray_session):
     """use_gpu: null is decided where the bundles are made, and the replica gets that decision: it
     used to decide again when it started its drafter (and when it recreated it, hours later), so a

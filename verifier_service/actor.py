@@ -21,7 +21,7 @@ class VerifierActor:
         torch.set_num_threads(cfg.threads)
         hf_logging.disable_progress_bar()
         self.drafter = drafter
-        self.engine = build_engine(cfg, drafter.address if drafter is not None else None)
+        self.engine = build_engine(cfg, drafter)
         self.engine.start()
 
     def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int,

@@ -20,7 +20,10 @@ Failures: every RPC has a deadline sized to its work (`deadline`). An RPC error 
 deadline raises `DrafterUnavailable` (the drafter's own refusals become CapacityError /
 ValueError), and the engine then serves target-only and calls `mark_failed`. A background thread
 then finds the drafter again through `resolve` (a restarted or recreated actor has a new
-address) and connects; `recovered()` swaps the new connection in. Sequence ids on the wire carry
+address) and connects; `recovered()` swaps the new connection in. Given the drafter actor's
+handle (`specserve.builder.DrafterHandle`), it also restarts a hung one: a drafter that Ray
+reports running but that has answered neither its actor's calls nor its gRPC server for `hang_s`
+(a stopped process, a wedged GPU call) would otherwise leave the pair on the fallback for good. Sequence ids on the wire carry
 the connection's epoch, so a drafter that only missed a deadline (its old sequences still live,
 reclaimed there after their TTL) never sees an id twice.
 """
@@ -194,10 +197,14 @@ class _Ended(grpc.RpcError):
 
 class RemoteProposer(Proposer):
     """Proposes through a DrafterClient: one Propose call per round for every active sequence.
-    `resolve`: the drafter's address, or a callable that finds it (again, after a failure)."""
+    `resolve`: the drafter's address, or a callable that finds it (again, after a failure).
+    `drafter`: its actor's handle (`running()`, `restart()`), to restart it after `hang_s` of
+    silence while it runs (None: never restarted from here)."""
 
-    def __init__(self, resolve: str | Callable[[], str]):
+    def __init__(self, resolve: str | Callable[[], str], drafter=None, hang_s: float = 60.0):
         self.resolve = resolve if callable(resolve) else (lambda: resolve)
+        self.drafter, self.hang_s = drafter, hang_s
+        self.restarts = 0  # hung drafters restarted
         self.client = DrafterClient(self.resolve())
         self.vocab_size = self.client.info.vocab_size
         self.max_length = self.client.info.max_length
@@ -403,12 +410,25 @@ class RemoteProposer(Proposer):
             self._reconnecting.start()
 
     def _reconnect(self, delay: float) -> None:
-        """Background: find the drafter again and connect (retrying), without touching engine state."""
+        """Background: find the drafter again and connect (retrying), without touching engine state.
+        A drafter that runs (per Ray) but stays silent for hang_s is restarted; a restarting one
+        (loading its model, however long) is waited for."""
+        watched, silent_since, restarted = None, time.monotonic(), None  # (drafter processes, by pid)
         while True:
             time.sleep(delay)
             try:
                 client = DrafterClient(self.resolve())
-            except Exception:
+            except Exception as e:
+                if self.drafter is not None:
+                    pid = self.drafter.running()
+                    if pid != watched:  # another process (or none, restarting): its own hang_s from now
+                        watched, silent_since = pid, time.monotonic()
+                    elif pid is not None and pid != restarted and time.monotonic() - silent_since >= self.hang_s:
+                        log.warning("the drafter (pid %d) runs but has not answered for %.0f s (%s); restarting it",
+                                    pid, time.monotonic() - silent_since, type(e).__name__)
+                        self.drafter.restart()  # (Ray still reports it running for seconds: restarted once)
+                        self.restarts += 1
+                        restarted = pid
                 delay = min(2 * delay, 5.0)
                 continue
             if client.info.vocab_size != self.vocab_size:
