@@ -209,9 +209,13 @@ class PipelinedProposer(Proposer):
         n = 0
         while n < k and n < len(item.new_tokens) - 1 and item.new_tokens[n] == last.tokens[n]:
             n += 1
+        # the verifier writes the drafted token at n only when it cut the draft there (its policy
+        # asked fewer drafts than were sent early): a rejection never writes it, greedy or sampled
+        # ((p - q)+ is 0 at a rejected token). Then d_n and on were never judged, not rejected
+        judged = n if n < k and item.new_tokens[n] == last.tokens[n] else k
         self.rounds += 1
         conf = self.last_conf.get(item.seq_id) or []
-        self.calibration.observe([c[0] for c in conf[:k]], n)
+        self.calibration.observe([c[0] for c in conf[:judged]], n)
         guess = self.guessed.pop(item.seq_id, None)
         if n == k:
             self.all_accepted += 1
