@@ -41,6 +41,18 @@ def test_ngram_proposes_the_latest_continuation_and_indexes_new_tokens():
     assert d.tokens == [3, 1] and d.probs.shape == (2, V) and d.probs[0, 3] == 1 and d.probs.sum() == 2
 
 
+def test_an_adaptive_engine_starts_and_stays_exact_at_the_largest_k():
+    """The startup profile times target passes up to width MAX_K + 1; it scored at most 8 tokens
+    and rolled back the width, so k >= 9 (allowed by the config since stop 49) failed the start."""
+    from specserve.core.proposer import MAX_K
+    target = tiny_model("llama", V, seed=7)
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), DraftModelProposer(ModelRunner(target, slots=2)),
+                               eos_ids=set(), speculation="adaptive", max_k=MAX_K)
+    assert (1, MAX_K + 1) in engine.policy.costs.grid
+    got = engine.generate([3, 4, 5], 60, SamplingParams(), k=MAX_K)
+    assert got.token_ids == plain(target, [3, 4, 5], 60)
+
+
 def test_confidence_cut_depends_on_each_position_only():
     assert confidence_cut([0.9, 0.5, 0.1, 0.9], 0.3) == 2
     assert confidence_cut([0.9, 0.5], 0.0) == 2 and confidence_cut([0.1], 0.3) == 0

@@ -285,6 +285,9 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 7,
     profile exactly; for that diagnostic)."""
     bs, ws = profile_grid(max_batch, max_width)
     prompt = [i % runner.vocab_size for i in range(1, 9)]
+    # the tokens each pass scores, as many as its width (until stop 50 at most the prompt's 8, and
+    # the rollback of the width failed the engine's start for k >= 9)
+    scored = [i % runner.vocab_size for i in range(1, max(ws) + 1)]
     grid = {}
     for b in bs:
         for slot in range(b):
@@ -294,7 +297,7 @@ def profile_target(runner, max_batch: int, max_width: int, reps: int = 7,
             else [(rep, w) for w in ws for rep in range(reps + 1)]
         for rep, w in calls:
             t0 = time.perf_counter()
-            out = runner.score_batch([(slot, prompt[:w]) for slot in range(b)], last_only=True)
+            out = runner.score_batch([(slot, scored[:w]) for slot in range(b)], last_only=True)
             float(out[-1][-1, 0])  # waits for the device
             if rep:
                 times[w].append(time.perf_counter() - t0)
