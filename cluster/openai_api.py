@@ -229,14 +229,21 @@ class Detokenizer:
     held until the character completes. A tail that could still become a stop string is held
     back too, and searching for stop strings looks only at unsent text. The concatenated deltas
     (plus `flush()`) equal the final text, and a stop string is never emitted.
+
+    `prompt_ids`: the first window's context is the prompt's last CONTEXT tokens, as vLLM's is. A
+    SentencePiece tokenizer (Llama 2, Mistral) strips the leading space of a decode's first
+    word, so without it "The capital of France is" went on "Paris" (found by review in stop 50).
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    CONTEXT = 5
+
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
-        self.ids: list[int] = []
+        self.context = min(len(prompt_ids), self.CONTEXT)
+        self.ids: list[int] = list(prompt_ids[len(prompt_ids) - self.context:])  # context, then the output
         self.prefix_offset = 0  # the decode window starts here
-        self.read_offset = 0  # tokens before this are in self.text
+        self.read_offset = self.context  # tokens before this are in self.text (or are the context)
         self.text = ""  # the text so far (cut at a stop string)
         self.sent = 0  # characters of text already emitted
         self.stopped = False
@@ -254,13 +261,15 @@ class Detokenizer:
         the stop string (usage counts those, however the rounds split the tokens and whatever
         they wrote after it). A binary search: once in the text, a stop string stays there."""
         if not self.stopped:
-            return len(self.ids)
-        lo, hi = 0, self.stopped_at  # (the text of ids[:lo] lacks it; that of ids[:hi] holds it)
+            return len(self.ids) - self.context
+        decode = self.tokenizer.decode
+        context = len(decode(self.ids[:self.context], skip_special_tokens=True))
+        lo, hi = self.context, self.stopped_at  # (the text of ids[:lo] lacks it; that of ids[:hi] holds it)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            text = self.tokenizer.decode(self.ids[:mid], skip_special_tokens=True)
+            text = decode(self.ids[:mid], skip_special_tokens=True)[context:]
             lo, hi = (lo, mid) if any(s in text for s in self.stop) else (mid, hi)
-        return hi
+        return hi - self.context
 
     def flush(self) -> str:
         """At the end: whatever was held back (a trailing partial stop string is real text)."""

@@ -63,6 +63,34 @@ def test_stop_strings_are_never_emitted(tok):
         assert "STOP" in tok.decode(ids[:used]) and "STOP" not in tok.decode(ids[:used - 1])
 
 
+def sentencepiece_like():
+    """A tokenizer decoding as Llama 2's and Mistral's do: "▁" is a space, and a decode's first
+    space is stripped. Built in place (no model hub here)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", "▁and", "▁Rome"]
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    inner.pre_tokenizer, inner.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner)
+
+
+def test_the_first_word_keeps_its_space_after_the_prompt():
+    """Decoded alone, a SentencePiece token loses its leading space: the prompt's last tokens are
+    the first window's context, so the text goes on as one decode of prompt + output would."""
+    tok = sentencepiece_like()
+    prompt, out = tok("The capital of France is")["input_ids"], tok("Paris and Rome")["input_ids"]
+    assert tok.decode(out) == "Paris and Rome"  # (the strip this is about)
+    whole = tok.decode(prompt + out)
+    for seed in range(3):
+        detok = Detokenizer(tok, [], prompt)
+        assert stream(detok, out, random.Random(seed)) == whole[len(tok.decode(prompt)):] == " Paris and Rome"
+        assert detok.tokens_used() == len(out)
+    detok = Detokenizer(tok, [" Rome"], prompt)  # stop strings and usage see the same text
+    assert stream(detok, out, random.Random(0)) == " Paris and" and detok.tokens_used() == 3
+    detok = Detokenizer(tok, ["France"], prompt)  # the prompt's own text is not searched
+    assert stream(detok, out, random.Random(0)) == " Paris and Rome" and not detok.stopped
+
+
 def test_detokenization_costs_o_new_tokens(tok):
     """Decoded token count grows linearly with the output, not quadratically."""
     ids = (tok("x = [i * 2 for i in range(10)]\n" * 200)["input_ids"])
