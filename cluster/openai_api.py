@@ -308,13 +308,15 @@ class Detokenizer:
 
 
 def _text_of(content) -> str:
-    """A message's content: a string, or a list of parts of which only text ones are supported."""
+    """A message's content: a string, or a list of parts of which only text ones are supported,
+    joined by newlines, as vLLM joins them (until stop 50 with nothing between: "Hello", "world"
+    was "Helloworld")."""
     if isinstance(content, str):
         return content
     if not all(isinstance(p, dict) and p.get("type") == "text" and _is_text(p.get("text")) for p in content):
         raise _bad("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages",
                    "unsupported_value")
-    return "".join(p["text"] for p in content)
+    return "\n".join(p["text"] for p in content)
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], chat: bool) -> list[int]:

@@ -192,7 +192,7 @@ def test_chat_as_openai_s(client):
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.usage is None for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == short.choices[0].message.content
-    parts = [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def f(x):"}]}]
     with_usage = list(client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=20,
                                                      stream=True, stream_options={"include_usage": True}))
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == short.usage.completion_tokens
