@@ -15,6 +15,7 @@ from specserve.core.sampling import MIN_TEMPERATURE
 MAX_STOP_STRINGS = 16
 SPECULATIVE_METHODS = ("draft_model", "ngram", "none")  # as specserve.verifier.engine.METHODS
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 class APIError(Exception):
@@ -78,6 +79,7 @@ class CompletionRequest:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's extension: these tokens end it too
     stream: bool = False
     speculative: bool = True
     k: int | None = None  # None: the deployment's k (the most per round under the adaptive policy)
@@ -95,13 +97,29 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
                ("suffix", (None, ""), "no insertion"),
                ("presence_penalty", (None, 0), "no penalties: they would change the target's distribution"),
                ("frequency_penalty", (None, 0), "no penalties: they would change the target's distribution"),
-               ("logit_bias", (None, {}), "no logit bias"))
+               ("logit_bias", (None, {}), "no logit bias"),
+               ("response_format", (None, {"type": "text"}), "text only: no JSON mode or schema"),
+               # vLLM's extensions that would change the output (ignoring them would answer something else)
+               ("min_tokens", (None, 0), "no minimum length"),
+               ("repetition_penalty", (None, 1, 1.0), "no penalties: they would change the target's distribution"),
+               ("length_penalty", (None, 1, 1.0), "no beam search"),
+               ("use_beam_search", (None, False), "no beam search"),
+               ("min_p", (None, 0, 0.0), "no min-p sampling"),
+               ("bad_words", (None, []), "no banned words"),
+               ("allowed_token_ids", (None, []), "no token restriction"),
+               ("include_stop_str_in_output", (None, False), "a stop string is left out of the text"),
+               ("skip_special_tokens", (None, True), "special tokens are left out of the text"),
+               ("prompt_logprobs", (None, 0), "no log probabilities are returned"),
+               ("guided_json", (None,), "no guided decoding"),
+               ("guided_regex", (None,), "no guided decoding"),
+               ("guided_choice", (None,), "no guided decoding"),
+               ("guided_grammar", (None,), "no guided decoding"),
+               ("structured_outputs", (None,), "no guided decoding"))
 # and chat fields: tools and structured output (what does not ask for them is accepted)
 CHAT_UNSUPPORTED = (("tools", (None, []), "no tool calls"),
                     ("functions", (None, []), "no function calls"),
                     ("tool_choice", (None, "none", "auto"), "no tool calls"),
-                    ("function_call", (None, "none", "auto"), "no function calls"),
-                    ("response_format", (None, {"type": "text"}), "text only: no JSON mode or schema"))
+                    ("function_call", (None, "none", "auto"), "no function calls"))
 SEED_RANGE = 2 ** 63  # seeds are taken modulo this (OpenAI's are any int64: -1 included)
 
 
@@ -171,6 +189,9 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
         raise _bad(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in req.stop):
         raise _bad(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", "stop")
+    req.stop_token_ids = _get(body, "stop_token_ids", [], lambda v: isinstance(v, list),
+                              lambda v: len(v) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and t >= 0 for t in v),
+                              f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
     spec = body.get("speculative")
     if spec is not None:
         if not isinstance(spec, dict) or set(spec) - {"enabled", "k", "method"}:

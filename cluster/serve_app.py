@@ -407,9 +407,11 @@ class OpenAIIngress:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         if max(prompt_ids) >= len(self.tokenizer):
             raise APIError(400, f"prompt token ids must be below {len(self.tokenizer)}", param="prompt")
+        if req.stop_token_ids and max(req.stop_token_ids) >= len(self.tokenizer):
+            raise APIError(400, f"stop token ids must be below {len(self.tokenizer)}", param="stop_token_ids")
         from specserve.core.sampling import SamplingParams
-        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                                  seed=req.seed).to_dict()
+        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                                  stop_token_ids=tuple(req.stop_token_ids)).to_dict()
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}

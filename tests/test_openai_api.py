@@ -112,7 +112,8 @@ def test_strict_json_refuses_non_numbers_and_bad_bytes(raw):
 @pytest.mark.parametrize("body,param", [
     ({"temperature": 1e-300}, "temperature"), ({"temperature": 1e400}, "temperature"),
     ({"temperature": 0.0009}, "temperature"), ({"top_p": float("nan")}, "top_p"),
-    ({"stop": ["x"] * 17}, "stop"), ({"prompt": "\ud800"}, "prompt"), ({"stop": "a\udfff"}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"), ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"prompt": "\ud800"}, "prompt"), ({"stop": "a\udfff"}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
 ])
 def test_absurd_values_are_400s(body, param):
     with pytest.raises(APIError) as e:
@@ -122,14 +123,23 @@ def test_absurd_values_are_400s(body, param):
 
 @pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
                                          ("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
-                                         ("frequency_penalty", -1), ("logit_bias", {"5": 10})])
+                                         ("frequency_penalty", -1), ("logit_bias", {"5": 10}),
+                                         ("response_format", {"type": "json_object"}), ("min_tokens", 5),
+                                         ("repetition_penalty", 1.2), ("min_p", 0.1), ("use_beam_search", True),
+                                         ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                         ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+                                         ("structured_outputs", {"regex": "a+"}), ("bad_words", ["x"])])
 def test_fields_asked_for_and_not_implemented_are_400s(field, value):
-    """Until stop 47 these were accepted and ignored (a 200 whose logprobs were null, say)."""
+    """Until stop 47 these were accepted and ignored (a 200 whose logprobs were null, say); vLLM's
+    extensions that would change the output, and response_format on completions, until stop 50."""
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "p", field: value}, "m")
     assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_value"
     inert = {"logprobs": None, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": "", "presence_penalty": 0,
-             "frequency_penalty": 0.0, "logit_bias": {}}[field]
+             "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}, "min_tokens": 0,
+             "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False, "include_stop_str_in_output": False,
+             "skip_special_tokens": True, "guided_json": None, "guided_choice": None, "structured_outputs": None,
+             "bad_words": []}[field]
     assert parse_completion({"model": "m", "prompt": "p", field: inert}, "m").prompt == "p"  # asks for nothing
 
 

@@ -121,6 +121,30 @@ def test_stop_strings_in_both_modes(server, client):
             full.usage.completion_tokens, stream
 
 
+def test_stop_token_ids_end_a_request(client, tiny_pair_dir):
+    """vLLM's stop_token_ids: the engine had them, and the API dropped them (a 200 that ran on)."""
+    from specserve.core.runner import ModelRunner, load_tokenizer
+    from specserve.core.sampling import SamplingParams
+    from specserve.verifier.engine import SpeculativeEngine
+    ids = SpeculativeEngine(ModelRunner.from_pretrained(tiny_pair_dir["target"]), None).generate(
+        [5, 6, 7], 30, SamplingParams(), 0).token_ids  # what the server writes, greedy
+    at = next(i for i in range(3, 30) if ids[i] not in ids[:i])
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=30, temperature=0, stream=stream,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [ids[at]]},
+                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            *chunks, last = r
+            text, usage, finish = "".join(c.choices[0].text for c in chunks), last.usage, chunks[-1].choices[0].finish_reason
+        else:
+            text, usage, finish = r.choices[0].text, r.usage, r.choices[0].finish_reason
+        assert finish == "stop" and usage.completion_tokens == at + 1, stream
+        assert text == load_tokenizer(tiny_pair_dir["target"]).decode(ids[:at + 1], skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"stop_token_ids": [10 ** 9]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, client):
     """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
     usage so far, growing to the final count (until stop 49 it was accepted and ignored)."""
