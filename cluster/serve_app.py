@@ -278,7 +278,11 @@ async def _http_error(_, exc: StarletteHTTPException):
 
 def _pair_failed(error: Exception) -> APIError:
     """A request whose pair replica failed under it (died, restarted, unreachable): a 503 the
-    client may retry, in the OpenAI shape, not the framework's plain-text 500."""
+    client may retry, in the OpenAI shape, not the framework's plain-text 500. A pair whose Serve
+    queue was full is an overload, as the engine's own (it was "the pair failed", with a warning)."""
+    from ray.serve.exceptions import BackPressureError
+    if isinstance(error, BackPressureError):
+        return APIError(503, f"the server is overloaded ({error}); retry", headers={"Retry-After": "1"})
     log.warning("a pair failed a request: %r", error)
     return APIError(503, f"the pair serving this request failed ({type(error).__name__}); retry",
                     code="pair_unavailable", headers={"Retry-After": "1"})

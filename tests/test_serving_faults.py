@@ -137,6 +137,17 @@ def test_overload_is_a_prompt_503_and_health_metrics_still_answer(base, tiny_pai
         serve.delete("tight")
 
 
+def test_a_full_pair_queue_is_an_overload_not_a_failed_pair():
+    """Serve refuses a request past a pair's queue bound with its BackPressureError; the ingress
+    called that "the pair serving this request failed" (code pair_unavailable, a warning logged)."""
+    from ray.serve.exceptions import BackPressureError
+
+    from specserve.cluster.serve_app import _pair_failed
+    e = _pair_failed(BackPressureError(num_queued_requests=33, max_queued_requests=32))
+    assert e.status == 503 and e.type == "overloaded_error" and e.code is None and "overloaded" in e.message
+    assert e.headers["Retry-After"] and _pair_failed(RuntimeError("gone")).code == "pair_unavailable"
+
+
 def test_api_key_guards_v1_but_not_health(base, tiny_pair_dir):
     from ray import serve
     deploy("keyed", tiny_pair_dir, api_key="s3cret", max_num_seqs=2)
