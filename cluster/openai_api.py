@@ -210,7 +210,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
             raise _bad(f"'speculative.method' must be one of {SPECULATIVE_METHODS}", "speculative.method")
         if method == "none":
             req.speculative = False
-        req.method = method if method != "none" else None
+        # no proposer runs without speculation: its method is not checked against the deployment's
+        req.method = method if req.speculative else None
     return req
 
 

@@ -265,3 +265,13 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
     assert got == [{"token_ids": [0]}, {"token_ids": [1]}]
     assert error.status == 503 and error.code == "pair_unavailable" and error.headers == {"Retry-After": "1"}
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_method_with_speculation_off_asks_for_no_proposer():
+    """{"enabled": false, "method": "draft_model"} on a deployment without a drafter was a 400
+    (the method was checked though no proposer would run)."""
+    off = parse_completion({"model": "m", "prompt": "p", "speculative": {"enabled": False, "method": "draft_model"}},
+                           "m")
+    assert not off.speculative and off.method is None
+    on = parse_completion({"model": "m", "prompt": "p", "speculative": {"method": "ngram"}}, "m")
+    assert on.speculative and on.method == "ngram"
