@@ -35,6 +35,13 @@ def test_ngram_proposes_the_latest_continuation_and_indexes_new_tokens():
     assert ng.propose([ProposeItem("s", [3, 4], 3)])[0].tokens == [9, 9, 1]
     assert ng.propose([ProposeItem("s", [50, 51], 3)])[0].tokens == []  # nothing matches
     assert ng.propose([ProposeItem("s", [], 0)])[0].tokens == []
+    # a continuation that reaches the end goes on as the repetition would (it was cut there: a
+    # loop of period p drafted p tokens a round)
+    loops = NgramProposer(V)
+    loops.start("a", [4] + [7] * 10, SamplingParams())
+    loops.start("b", [4] + [1, 2] * 6, SamplingParams())
+    assert loops.propose([ProposeItem("a", [], 8)])[0].tokens == [7] * 8
+    assert loops.propose([ProposeItem("b", [], 5)])[0].tokens == [1, 2, 1, 2, 1]
     sampled = NgramProposer(V)
     sampled.start("t", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=1))
     d = sampled.propose([ProposeItem("t", [], 2)])[0]

@@ -5,7 +5,10 @@ and the fallback while a drafter is down.
 
 Index: per sequence and per n, a dict from each n-gram to the position right after its latest
 occurrence, grown as tokens are committed (O(new tokens x n) per round; a lookup is one dict
-read per n). The draft is the indexed continuation, cut at the sequence's end.
+read per n). The draft is the indexed continuation. Where it reaches the sequence's end (the
+match is the latest period of a repeating stretch: "7 7 7 7", "a b a b"), it goes on with its
+own tokens, as the repetition would: until stop 50 it was cut there, so a loop of period p drafted
+p tokens a round whatever k was.
 
 q: drafts are deterministic, so a sampled request's q is one-hot on the draft. The acceptance
 rule is then exact as always: accept x with p(x), else resample from (p - q)+, which is p with
@@ -69,7 +72,10 @@ class NgramProposer(Proposer):
             if len(tokens) > n:
                 at = seq.index[n].get(tuple(tokens[-n:]))
                 if at is not None:
-                    return tokens[at:at + k]
+                    draft, period = tokens[at:at + k], len(tokens) - at
+                    while len(draft) < k:  # past the end: the stretch repeats with this period
+                        draft.append(draft[len(draft) - period])
+                    return draft
         return []
 
     def _one_hot(self, tokens: list[int]) -> torch.Tensor:
