@@ -644,11 +644,14 @@ def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
 
 
 def test_rounds_with_seeded_rows_count_for_nothing_in_the_guard():
-    """Seeded rows draft their k whatever the mode, so such a round is not measured as either."""
+    """Seeded rows draft their k whatever the mode, so such a round is not measured as either,
+    nor does its time calibrate the model (until stop 50 it calibrated the free rows' choice)."""
     policy, _ = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.15, rounds=40)
     rows = [Acceptance() for _ in range(8)]
-    ks = policy.choose([4] * 8, rows, ["ngram"] * 8, fixed=[True] * 6 + [False] * 2)
-    assert ks[:6] == [4] * 6 and policy.round_mode is None
+    for _ in range(3):  # (the free rows' k settles: a change of k calibrates nothing anyway)
+        ks = policy.choose([4] * 8, rows, ["ngram"] * 8, fixed=[True] * 6 + [False] * 2)
+        assert ks[:6] == [4] * 6 and policy.round_mode is None and policy.predicted is None
+        policy.observe_round(0.05)
 
 
 def test_the_guard_times_rounds_without_the_prefill_of_joining_requests():
@@ -788,6 +791,19 @@ def test_after_a_clear_loss_larger_batches_stay_vetoed_until_the_bucket_that_los
     assert not g.lost and not g.vetoed(16, after + 20) and g.vetoes == 1
     g, after = vetoed_at(900.0)
     assert not g.lost and not g.vetoed(16, after) and not g.vetoed(8, after)
+
+
+def test_a_trial_of_plain_rounds_holds_its_own_batch_size_only():
+    """Until stop 50 a trial shared the vetoes' table, and a veto holds every larger batch too: a
+    trial at two sequences held 16 and 32 plain for its 51 rounds."""
+    from specserve.verifier.policy import Guard
+    g, now = Guard(), 0
+    for _ in range(64):
+        g.observe(2, True, 4, 4 / 1000, now)
+        now += 1
+    assert g.try_plain(2, now, 1.1)
+    assert g.vetoed(2, now + 1) and not g.vetoed(4, now + 1) and not g.vetoed(16, now + 1)
+    assert not g.vetoed(2, g.trial_until[g.bucket(2)])
 
 
 def test_the_policy_gauges_follow_its_guard_and_choices():

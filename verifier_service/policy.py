@@ -418,7 +418,8 @@ class Guard:
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
-        self.until: dict[int, int] = {}  # bucket -> the policy round its veto (or trial of plain rounds) ends
+        self.until: dict[int, int] = {}  # bucket -> the policy round its veto ends
+        self.trial_until: dict[int, int] = {}  # bucket -> the policy round its trial of plain rounds ends
         self.tried: dict[int, int] = {}  # bucket -> the policy round its last trial of plain rounds began
         self.gains: dict[int, float] = {}  # bucket -> the model's expected gain of speculating, averaged
         self.backoff: dict[int, int] = {}
@@ -432,11 +433,13 @@ class Guard:
         return round(2 * math.log2(max(b, 1)))
 
     def vetoed(self, b: int, now: int) -> bool:
-        """A veto at a bucket holds for every larger batch too; after a clear loss, for the
-        larger ones even once it has ended, until speculating measures no loss at that bucket."""
+        """Plain rounds at b: a veto at a bucket holds for every larger batch too; after a clear
+        loss, for the larger ones even once it has ended, until speculating measures no loss at that
+        bucket. A trial of plain rounds holds at its own bucket only (until stop 50 at every larger
+        one too: a trial at two sequences held 32 plain for its 51 rounds)."""
         bucket = self.bucket(b)
         return any(end > now and bk <= bucket for bk, end in self.until.items()) \
-            or any(bk < bucket for bk in self.lost)
+            or self.trial_until.get(bucket, -1) > now or any(bk < bucket for bk in self.lost)
 
     def keeps(self, b: int, now: int) -> bool:
         """Speculation stays on at b's bucket whatever the model says (see the class)."""
@@ -453,7 +456,7 @@ class Guard:
         self.tried[bucket] = now
         # rounds until plain decoding's decaying weights reach the minimums (at one sequence 39, not 32)
         need = max(GUARD_MIN_ROUNDS, self.min_sequence_rounds(b, False) / b) * (1 - GUARD_DECAY)
-        self.until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(math.log(1 - need) / math.log(GUARD_DECAY))
+        self.trial_until[bucket] = now + SETTLE_ROUNDS + 4 + math.ceil(math.log(1 - need) / math.log(GUARD_DECAY))
         return True
 
     @staticmethod
@@ -503,6 +506,7 @@ class Guard:
     def state(self, now: int) -> dict:
         return {"vetoes": self.vetoes, "keepings": self.keepings,
                 "vetoed_buckets": sorted(bk for bk, end in self.until.items() if end > now),
+                "trial_buckets": sorted(bk for bk, end in self.trial_until.items() if end > now),
                 "kept_buckets": sorted(bk for bk, end in self.kept.items() if end > now),
                 "lost_buckets": sorted(self.lost),
                 "tried_buckets": sorted(self.tried),
@@ -560,7 +564,9 @@ class SpeculationPolicy:
                 for i, k in zip(free, self.choose([limits[i] for i in free], [acceptance[i] for i in free],
                                                   [proposers[i] for i in free])):
                     ks[i] = k
-            self.round_mode = None  # (the seeded rows draft whatever the mode: the guard counts nothing)
+            # the seeded rows draft whatever the mode: the guard counts nothing, and the round's time
+            # (their drafting, a wider pass) is not the model's for the free rows: nothing calibrates
+            self.round_mode = self.predicted = None
             return ks
         if self.mode == "fixed" or not any(limits):
             if self.mode == "adaptive":  # nobody can draft: a plain round (the guard's "off", unless settling)
@@ -736,7 +742,7 @@ class SpeculationPolicy:
         """For /metrics: whether the policy drafts now (adaptive: the last round it chose for
         drafted; fixed: always), the guard's vetoes so far, whether a veto (or a trial of plain
         rounds) holds now at some batch size, and the times the guard kept speculation on."""
-        holds = any(end > self.rounds for end in list(self.guard.until.values()))
+        holds = any(end > self.rounds for end in [*self.guard.until.values(), *self.guard.trial_until.values()])
         return {"speculating": int(self.mode == "fixed" or self.last_round_k > 0),
                 "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds), "guard_keepings": self.guard.keepings}
 
