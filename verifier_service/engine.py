@@ -258,7 +258,7 @@ class SpeculativeEngine:
         if proposer is not None:
             self.proposers["draft_model"] = proposer
         if ngram:
-            self.proposers["ngram"] = NgramProposer(target.vocab_size, target.device)
+            self.proposers["ngram"] = NgramProposer(target.vocab_size)
         self.default_method = next(iter(self.proposers), "none")
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
         self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)

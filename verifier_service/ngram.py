@@ -10,18 +10,16 @@ match is the latest period of a repeating stretch: "7 7 7 7", "a b a b"), it goe
 own tokens, as the repetition would: until stop 50 it was cut there, so a loop of period p drafted
 p tokens a round whatever k was.
 
-q: drafts are deterministic, so a sampled request's q is one-hot on the draft. The acceptance
-rule is then exact as always: accept x with p(x), else resample from (p - q)+, which is p with
-x removed.
+q: drafts are deterministic, so a sampled request's q is one-hot on the draft, which the
+acceptance rule takes a draft without probabilities to be (`accept_on_device`; until stop 50 this
+proposer built the [k, V] one-hot itself, on the device, for every sampled row). The rule is then
+exact as always: accept x with p(x), else resample from (p - q)+, which is p with x removed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from specserve.core.device import to_device
 from specserve.core.proposer import Draft, ProposeItem, Proposer
 from specserve.core.sampling import SamplingParams
 
@@ -35,11 +33,10 @@ class _Seq:
 
 
 class NgramProposer(Proposer):
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", min_n: int = 2, max_n: int = 4):
+    def __init__(self, vocab_size: int, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
         self.min_n, self.max_n = min_n, max_n
         self.seqs: dict[str, _Seq] = {}
 
@@ -57,7 +54,7 @@ class NgramProposer(Proposer):
             seq = self.seqs[item.seq_id]
             seq.tokens.extend(item.new_tokens)
             tokens = self.lookup(seq, item.k) if item.k else []
-            drafts.append(Draft(tokens, None if seq.params.greedy or not tokens else self._one_hot(tokens)))
+            drafts.append(Draft(tokens, None))  # q: one-hot on the draft (see the module)
         return drafts
 
     def lookup(self, seq: _Seq, k: int) -> list[int]:
@@ -78,6 +75,3 @@ class NgramProposer(Proposer):
                     return draft
         return []
 
-    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
-        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)
-        return q.scatter_(1, to_device(tokens, self.device)[:, None], 1.0)

@@ -17,7 +17,7 @@ variants = {"2-4 (now)": (2, 4), "3-4": (3, 4), "2-6": (2, 6), "3-8": (3, 8)}
 engines = {}
 for name, (lo, hi) in variants.items():
     e = build_engine(SpecServeConfig(target=str(m/"target"), drafter=str(m/"drafter"), k=4, max_num_seqs=1, speculation="adaptive", compile=False))
-    e.proposers["ngram"] = NgramProposer(e.target.vocab_size, e.target.device, min_n=lo, max_n=hi)
+    e.proposers["ngram"] = NgramProposer(e.target.vocab_size, min_n=lo, max_n=hi)
     engines[name] = e
 plain = engines["2-4 (now)"]
 prompts = edit_prompts(m, 6, plain.target.tokenizer)
