@@ -75,7 +75,9 @@ class DrafterHandle:
     killed for good; `restart()` has Ray start a hung one again (the verifier's RemoteProposer
     decides, with `running()`). Picklable: the verifier actor resolves through its own copy."""
 
-    RESOLVE_TIMEOUT_S = 120.0  # the first start loads the model (and compiles, on a GPU)
+    # a start loads the model and, on a GPU, compiles it and records CUDA graphs: a large drafter on
+    # a cold compile cache may take minutes (120 s until stop 50, which such a start could exceed)
+    RESOLVE_TIMEOUT_S = 600.0
     RERESOLVE_TIMEOUT_S = 10.0  # later: the caller (the verifier's reconnect loop) asks again
 
     def __init__(self, cfg: SpecServeConfig, scheduling_strategy=None):
