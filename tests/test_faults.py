@@ -310,3 +310,22 @@ def test_on_finish_of_a_cancelled_request_may_submit_another(models):
     assert retried.wait(10), "the loop deadlocked in on_finish"
     assert first.finish_reason == "cancelled" and retry[0].done.wait(30) and len(retry[0].out) == 8
     threading.Thread(target=engine.stop, daemon=True).start()  # (a deadlocked loop holds its lock)
+
+
+def test_stopping_the_engine_fails_its_requests_and_refuses_new_ones(models):
+    """Until stop 50 the loop just returned: the requests running and waiting never finished, and
+    a request submitted after stop() waited for ever."""
+    from specserve.verifier.engine import RequestFailed
+    target, _ = models
+    engine = SpeculativeEngine(ModelRunner(target, slots=1), None, eos_ids=set(), max_num_seqs=1)
+    engine.start()
+    running = engine.submit(PROMPTS[0], 100, SamplingParams(), k=0,
+                            on_tokens=lambda t: time.sleep(0.02) is None)  # (slowed: still running at the stop)
+    waiting = engine.submit(PROMPTS[1], 10, SamplingParams(), k=0)
+    assert eventually(lambda: len(running.out) > 0)
+    engine.stop()
+    assert running.done.wait(10) and waiting.done.wait(10)
+    assert isinstance(running.error, RequestFailed) and isinstance(waiting.error, RequestFailed)
+    assert engine.free_slots == [0]
+    with pytest.raises(RequestFailed, match="stopped"):
+        engine.submit(PROMPTS[2], 5, SamplingParams(), k=0)

@@ -332,7 +332,10 @@ class SpeculativeEngine:
         if timeout_s is not None:
             req.deadline = time.monotonic() + timeout_s
         with self.lock:
-            if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running):
+            if self.stopping:
+                raise RequestFailed("the engine has stopped")
+            starting = [r for start in list(self._starting) for r in start[1]]  # (its Start's answer names it)
+            if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running + starting):
                 raise ValueError(f"request id {req.id!r} is in use by a running request")
             if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
@@ -403,6 +406,8 @@ class SpeculativeEngine:
             self.loop.start()
 
     def stop(self) -> None:
+        """Stops the loop: the requests in flight fail (RequestFailed), and so do later submits
+        (until stop 50 they waited for ever)."""
         with self.lock:
             self.stopping = True
             self.work.notify()
@@ -415,13 +420,18 @@ class SpeculativeEngine:
                     # (or a Start under way on its helper thread: handled once done, not at the next request)
                     self.work.wait(timeout=0.25 if self.degraded is not None or self._starting else None)
                 if self.stopping:
-                    return
+                    break
             with self.step_lock:
                 try:
                     self.step()
                 except Exception as e:  # outside a round's own handling: its requests fail, never the loop
                     log.exception("a step failed")
                     self._fail_in_flight(e)
+        with self.step_lock:
+            with self.lock:
+                waiting, self.waiting = list(self.waiting), deque()
+            self._fail(waiting, RequestFailed("the engine has stopped"))
+            self._fail_in_flight(RequestFailed("the engine has stopped"))
 
     def _fail_in_flight(self, error: Exception) -> None:
         """Fails the running and admitting requests (a step raised where nothing else caught it:
@@ -774,10 +784,10 @@ class SpeculativeEngine:
         self.times.pass_cpu += time.thread_time() - c0
         committed = [None if o is None else truncate_at_stop(d.tokens[:o[0]] + [o[1]], r.stop_ids)
                      for r, d, o in zip(running, drafts, outcomes)]
+        vias = [req.via for req in running]  # who drafted this round (a failed Start or early send moves a request on)
         t_join = time.perf_counter()
         self._finish_starts(wait=False)  # (before this round's tokens are counted as not sent to the drafter)
         t_join = time.perf_counter() - t_join  # ("start", not the round's "rest")
-        vias = [req.via for req in running]  # who drafted this round (a failed early send moves a request on)
         early = self._send_early(running, committed, chosen)  # the drafter drafts during the bookkeeping
         self.policy.observe_pass(len(running), max(ks) + 1, t_pass)
         for req, draft, outcome, k, c, done, via in zip(running, drafts, outcomes, ks, chosen, committed, vias):
