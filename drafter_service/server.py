@@ -181,11 +181,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
         with self._locked():  # (a release of the same id sent before this Start is applied first)
+            self._reclaim_idle()  # (first: an id past its TTL is free again)
             ids = [seq_id for seq_id, _, _ in items]
             for seq_id in ids:
                 if seq_id in self.inner.seqs or ids.count(seq_id) > 1:
                     raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id!r} already started")
-            self._reclaim_idle()
             if self.live_sequences + len(items) > self.max_sequences:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"the drafter holds {self.live_sequences} sequences (max {self.max_sequences})")

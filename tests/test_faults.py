@@ -329,3 +329,24 @@ def test_stopping_the_engine_fails_its_requests_and_refuses_new_ones(models):
     assert engine.free_slots == [0]
     with pytest.raises(RequestFailed, match="stopped"):
         engine.submit(PROMPTS[2], 5, SamplingParams(), k=0)
+
+
+def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(models):
+    """The drafter, busy past a Start's deadline, starts the sequences all the same once it gets
+    to them. The client had no note of them, so they held the drafter's slots for its TTL (600 s)
+    and could refuse the restarts after the reconnect; they are released once it is back now."""
+    from specserve.verifier.client import DrafterUnavailable, RemoteProposer
+    _, drafter = models
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, max_sequences=2)
+    try:
+        proposer = RemoteProposer(f"127.0.0.1:{port}")
+        with servicer.lock:  # busy (a long pass, a queue) past the Start's deadline of about 5 s
+            with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
+                proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
+        assert eventually(lambda: servicer.live_sequences == 2)  # started late, on the connection given up
+        proposer.mark_failed(DrafterUnavailable("missed"))
+        assert eventually(proposer.recovered, within_s=10)
+        assert eventually(lambda: servicer.live_sequences == 0)  # released: the drafter has room again
+        proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
+    finally:
+        server.stop(0)

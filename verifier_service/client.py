@@ -275,9 +275,14 @@ class RemoteProposer(Proposer):
         Releases sent before it; safe beside the loop's Proposes on another thread (see the
         module's docstring)."""
         self._read_releases(wait=True)
-        self._call("Start", pb.StartRequest(items=[
-            pb.StartItem(seq_id=self._wire_id(seq_id), prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
-            for seq_id, prompt_ids, params in items]), sum(len(p) for _, p, _ in items), settle=False)
+        wire = [self._wire_id(seq_id) for seq_id, _, _ in items]
+        try:
+            self._call("Start", pb.StartRequest(items=[
+                pb.StartItem(seq_id=w, prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
+                for w, (_, prompt_ids, params) in zip(wire, items)]), sum(len(p) for _, p, _ in items), settle=False)
+        except DrafterUnavailable:  # a missed deadline: the drafter may start them all the same, later. Released
+            self._orphans.extend(wire)  # once it is back (until stop 50 they held its slots for its TTL)
+            raise
         now = time.monotonic()
         for seq_id, _, _ in items:
             self.rounds[seq_id] = 0
