@@ -111,3 +111,7 @@ class Proposer:
 
     def recovered(self) -> bool:
         return False
+
+    def recoverable(self) -> bool:
+        """Whether `recovered()` would swap a fresh connection in now (nothing changes yet)."""
+        return False

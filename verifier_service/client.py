@@ -442,6 +442,9 @@ class RemoteProposer(Proposer):
             self._fresh = client
             return
 
+    def recoverable(self) -> bool:
+        return self._fresh is not None
+
     def recovered(self) -> bool:
         fresh, self._fresh = self._fresh, None
         if fresh is None:

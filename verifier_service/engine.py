@@ -558,6 +558,9 @@ class SpeculativeEngine:
     def _resume_if_recovered(self) -> None:
         if self.degraded is None:
             return
+        self._finish_starts(wait=False)  # (the Starts done: to the fallback now)
+        if not self.proposer.recoverable():  # (until stop 50 every round of a degraded engine waited here for a
+            return                           # Start under way on the drafter that failed: up to its deadline)
         self._finish_starts()  # (a Start still under way belongs to the connection before: done before it goes)
         if not self.proposer.recovered():
             return
