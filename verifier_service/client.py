@@ -418,7 +418,9 @@ class RemoteProposer(Proposer):
         """Background: find the drafter again and connect (retrying), without touching engine state.
         A drafter that runs (per Ray) but stays silent for hang_s is restarted; a restarting one
         (loading its model, however long) is waited for."""
-        watched, silent_since, restarted = None, time.monotonic(), None  # (drafter processes, by pid)
+        # the drafter's process (by pid) silent since the failure, and the one restarted last
+        watched = self.drafter.running() if self.drafter is not None else None
+        silent_since, restarted = time.monotonic(), None
         while True:
             time.sleep(delay)
             try:
