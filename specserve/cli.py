@@ -62,7 +62,7 @@ def _draft_vocab(value: str):
 
 def add_device_args(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=default,
-                   help="where the models run (auto: a GPU when one is visible)")
+                   help="where the models run (auto: the GPU this process, or its Ray actor, holds; else the CPU)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
                    help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), float32 otherwise)")
     c = p.add_mutually_exclusive_group()
@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
-    s.add_argument("--config", help="a Serve config file (its first application's args) or a YAML of app args")
+    s.add_argument("--config", help="a Serve config file of one application, or a YAML of app args")
     s.add_argument("--port", type=int, default=None, help=f"default: the config's http_options, else {DEFAULT_PORT}")
     s.add_argument("--host", default=None, help=f"default: the config's http_options, else {DEFAULT_HOST}")
     s.add_argument("--target", default=None)
