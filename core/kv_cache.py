@@ -102,8 +102,13 @@ class SlotKVCache:
         self.reset(src)
 
     def rollback(self, n: int, slot: int = 0) -> None:
-        """Forgets the last n positions of a slot: only its length moves."""
-        self.lengths[slot] -= n
+        """Forgets the last n positions of a slot: only its length moves. Not below a live
+        branch's fork (`fork`'s rule; until stop 50 unchecked, and the branch then read positions
+        its parent would write again)."""
+        length = self.lengths[slot] - n
+        if any(p == slot and at > length for p, at in self.parents.values()):
+            raise ValueError(f"cannot roll slot {slot} back to {length}: a branch forked from it above that")
+        self.lengths[slot] = length
 
 
 class PositionLayer(DynamicLayer):
