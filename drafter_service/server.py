@@ -291,13 +291,21 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.reclaimed += 1
 
     def Info(self, request, context):
-        with self._locked():
-            return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length,
-                                live_sequences=self.live_sequences, pipeline=self.pipeline,
-                                pipeline_hits=getattr(self.proposer, "hits", 0),
-                                pipeline_misses=getattr(self.proposer, "misses", 0),
-                                protocol_version=PROTOCOL_VERSION, q_dtype=dtype_code(self.q_dtype),
-                                fanout=self.fanout, seq_ttl_s=self.seq_ttl_s)
+        # a busy drafter (a long Start or pass holding the model lock) answers at once: a verifier
+        # connecting asks it, and takes a drafter that does not answer for a while for hung
+        locked = self.lock.acquire(timeout=0.05)
+        try:
+            if locked:
+                self._apply_releases()
+            live = self.live_sequences if locked else len(self.inner.seqs)  # (else: a moment's count)
+        finally:
+            if locked:
+                self.lock.release()
+                self._drain_releases()
+        return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length, live_sequences=live,
+                            pipeline=self.pipeline, pipeline_hits=getattr(self.proposer, "hits", 0),
+                            pipeline_misses=getattr(self.proposer, "misses", 0), protocol_version=PROTOCOL_VERSION,
+                            q_dtype=dtype_code(self.q_dtype), fanout=self.fanout, seq_ttl_s=self.seq_ttl_s)
 
 
 def _to_host(probs: list) -> list:

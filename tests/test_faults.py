@@ -335,7 +335,7 @@ def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(m
     """The drafter, busy past a Start's deadline, starts the sequences all the same once it gets
     to them. The client had no note of them, so they held the drafter's slots for its TTL (600 s)
     and could refuse the restarts after the reconnect; they are released once it is back now."""
-    from specserve.verifier.client import DrafterUnavailable, RemoteProposer
+    from specserve.verifier.client import DrafterClient, DrafterUnavailable, RemoteProposer
     _, drafter = models
     server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, max_sequences=2)
     try:
@@ -343,6 +343,9 @@ def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(m
         with servicer.lock:  # busy (a long pass, a queue) past the Start's deadline of about 5 s
             with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
                 proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
+            t0 = time.monotonic()  # a verifier connecting meanwhile gets its Info at once (it took the lock: a
+            DrafterClient(f"127.0.0.1:{port}").close()  # long job held it, and a hang check would take it for hung)
+            assert time.monotonic() - t0 < 2.0
         assert eventually(lambda: servicer.live_sequences == 2)  # started late, on the connection given up
         proposer.mark_failed(DrafterUnavailable("missed"))
         assert eventually(proposer.recovered, within_s=10)

@@ -22,8 +22,10 @@ ValueError), and the engine then serves target-only and calls `mark_failed`. A b
 then finds the drafter again through `resolve` (a restarted or recreated actor has a new
 address) and connects; `recovered()` swaps the new connection in. Given the drafter actor's
 handle (`specserve.builder.DrafterHandle`), it also restarts a hung one: a drafter that Ray
-reports running but that has answered neither its actor's calls nor its gRPC server for `hang_s`
-(a stopped process, a wedged GPU call) would otherwise leave the pair on the fallback for good. Sequence ids on the wire carry
+reports running but that cannot be reached for `hang_s` (its actor does not answer, or its gRPC
+server does not answer Info, which does not wait for the model lock, so a drafter busy with a
+long job still answers it: a stopped process, a wedged GPU call) would otherwise leave the pair
+on the fallback for good. Sequence ids on the wire carry
 the connection's epoch, so a drafter that only missed a deadline (its old sequences still live,
 reclaimed there after their TTL) never sees an id twice.
 """
@@ -433,7 +435,11 @@ class RemoteProposer(Proposer):
                     elif pid is not None and pid != restarted and time.monotonic() - silent_since >= self.hang_s:
                         log.warning("the drafter (pid %d) runs but has not answered for %.0f s (%s); restarting it",
                                     pid, time.monotonic() - silent_since, type(e).__name__)
-                        self.drafter.restart()  # (Ray still reports it running for seconds: restarted once)
+                        try:
+                            self.drafter.restart()  # (Ray still reports it running for seconds: restarted once)
+                        except Exception as err:  # (Ray's own trouble: this loop goes on, and tries again)
+                            log.warning("restarting the drafter failed: %r", err)
+                            continue
                         self.restarts += 1
                         restarted = pid
                 delay = min(2 * delay, 5.0)
