@@ -211,11 +211,16 @@ class PipelinedProposer(Proposer):
             n += 1
         # the verifier writes the drafted token at n only when it cut the draft there (its policy
         # asked fewer drafts than were sent early): a rejection never writes it, greedy or sampled
-        # ((p - q)+ is 0 at a rejected token). Then d_n and on were never judged, not rejected
-        judged = n if n < k and item.new_tokens[n] == last.tokens[n] else k
+        # ((p - q)+ is 0 at a rejected token). Greedy, that token is the target's own choice, so d_n
+        # counts as accepted; sampled, d_n and on were never judged. (A cut whose token differs
+        # reads as a rejection at n: greedy it is one; sampled it may not be, and nothing tells.)
+        judged, accepted = k, n
+        if n < k and item.new_tokens[n] == last.tokens[n]:
+            seq = self.inner.seqs.get(item.seq_id)
+            judged = accepted = n + 1 if seq is not None and seq.params.greedy else n
         self.rounds += 1
         conf = self.last_conf.get(item.seq_id) or []
-        self.calibration.observe([c[0] for c in conf[:judged]], n)
+        self.calibration.observe([c[0] for c in conf[:judged]], accepted)
         guess = self.guessed.pop(item.seq_id, None)
         if n == k:
             self.all_accepted += 1

@@ -159,19 +159,21 @@ def test_fan_out_prepares_the_outcome_this_rounds_drafts_make_likeliest():
 def test_a_draft_the_verifier_cut_short_teaches_no_rejection():
     """A draft the verifier used only in part (its policy asked fewer drafts than the early send)
     comes back with the drafted token at the cut: the calibration learnt a rejection there, of a
-    draft never judged (stop 49's noticed list). A real rejection still counts as one."""
-    inner = DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=1), slots=2))
-    pipelined = PipelinedProposer(inner)  # (no speculate: every draft on demand)
-    pipelined.start("s", [1, 2, 3], SamplingParams(seed=0))
-    d = pipelined.propose([ProposeItem("s", [], 4)])[0].tokens
-    judged = lambda: sum(pipelined.calibration.judged)
-    accepted = lambda: sum(pipelined.calibration.accepted)
-    cut = pipelined.propose([ProposeItem("s", d[:2] + [d[2]], 4)])[0].tokens  # cut to 2 drafts, both accepted
-    assert round(judged()) == 2 and round(accepted()) == 2  # (decayed counts)
-    before = judged(), accepted()
-    wrong = next(t for t in range(V) if t != cut[0])
-    pipelined.propose([ProposeItem("s", [wrong], 4)])  # d_1 rejected: one more judged, none accepted
-    assert judged() > before[0] and accepted() <= before[1]
+    draft never judged (stop 49's noticed list). Greedy, that token is the target's own choice (an
+    acceptance); sampled, the draft there was not judged. A real rejection still counts as one."""
+    for params, judged_at_cut in ((SamplingParams(seed=0), 3), (SamplingParams(temperature=1.0, seed=0), 2)):
+        inner = DraftModelProposer(ModelRunner(tiny_model("llama", V, seed=1), slots=2))
+        pipelined = PipelinedProposer(inner)  # (no speculate: every draft on demand)
+        pipelined.start("s", [1, 2, 3], params)
+        d = pipelined.propose([ProposeItem("s", [], 4)])[0].tokens
+        judged = lambda: sum(pipelined.calibration.judged)
+        accepted = lambda: sum(pipelined.calibration.accepted)
+        cut = pipelined.propose([ProposeItem("s", d[:2] + [d[2]], 4)])[0].tokens  # cut to 2 drafts, both accepted
+        assert round(judged()) == judged_at_cut == round(accepted()), params  # (decayed counts)
+        before = judged(), accepted()
+        wrong = next(t for t in range(V) if t != cut[0])
+        pipelined.propose([ProposeItem("s", [wrong], 4)])  # d_1 rejected: one more judged, none accepted
+        assert judged() > before[0] and accepted() <= before[1]
 
 
 @pytest.mark.parametrize("fails,fanout", [("bonus", 1), ("catch_up", 1), ("draft", 1), ("draft", 3), ("fork", 3)])
