@@ -129,6 +129,10 @@ def test_bad_requests_raise_value_error():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+    # a proposer this engine lacks is refused, unless no proposer runs (k = 0: it was refused too)
+    with pytest.raises(ValueError, match="not available"):
+        engine.generate([1, 2], 3, SamplingParams(), 2, method="draft_model")
+    assert engine.generate([1, 2], 3, SamplingParams(), 0, method="draft_model").token_ids
 
 
 def test_a_cancel_while_its_request_is_being_admitted_is_not_lost():

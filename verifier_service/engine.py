@@ -319,7 +319,7 @@ class SpeculativeEngine:
         method = self.default_method if method is None else method
         if method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
-        if method != "none" and method not in self.proposers:
+        if method != "none" and k and method not in self.proposers:  # (k = 0: no proposer runs)
             raise ValueError(f"speculative method {method!r} is not available here (available: "
                              f"{sorted(self.proposers) + ['none']})")
         k = k if method != "none" else 0
@@ -711,12 +711,11 @@ class SpeculativeEngine:
         fallback takes them). wait=False (after a round's pass, and before a round) leaves one
         still under way for later: its sequences decode plainly meanwhile, as they would anyway
         with speculation off, instead of the loop waiting for the drafter's prefill."""
-        pending, self._starting = self._starting, []
-        for start in pending:
+        for start in list(self._starting):  # (each stays listed until handled: `submit` reads the ids)
             if wait or not start[0].is_alive():
                 self._finish_start(*start)
-            else:
-                self._starting.append(start)
+                with self.lock:
+                    self._starting.remove(start)
 
     def _finish_start(self, thread: threading.Thread, reqs: list[Request], sent: list[int], outcome: dict,
                       failures: int) -> None:
