@@ -61,6 +61,8 @@ class SlotKVCache:
                 buffers[i] = new
 
     def reset(self, slot: int = 0) -> None:
+        if any(p == slot for p, _ in self.parents.values()):  # (the fork rule, as in rollback)
+            raise ValueError(f"cannot reset slot {slot}: a branch forked from it lives")
         self.lengths[slot] = 0
         self.parents.pop(slot, None)
 
@@ -103,8 +105,8 @@ class SlotKVCache:
 
     def rollback(self, n: int, slot: int = 0) -> None:
         """Forgets the last n positions of a slot: only its length moves. Not below a live
-        branch's fork (`fork`'s rule; until stop 50 unchecked, and the branch then read positions
-        its parent would write again)."""
+        branch's fork (`fork`'s rule; until stop 50 unchecked here and in `reset`, and the branch
+        then read positions its parent would write again)."""
         length = self.lengths[slot] - n
         if any(p == slot and at > length for p, at in self.parents.values()):
             raise ValueError(f"cannot roll slot {slot} back to {length}: a branch forked from it above that")
