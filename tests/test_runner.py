@@ -146,6 +146,8 @@ def test_a_branch_reads_its_parents_prefix_and_adopting_it_moves_only_its_new_po
         runner.fork(1, 0, 99)  # past the parent's positions
     with pytest.raises(ValueError, match="branch"):
         runner.rollback(4, slot=0)  # below the fork: the branch would read what the parent writes again
+    with pytest.raises(ValueError, match="branch"):
+        runner.fast.cache.reset(0)  # nor reset
     assert runner.seq_length(0) == 8
     runner.rollback(3, slot=0)  # back to prompt[:5]: the branch's outcome happened
     runner.adopt(0, 2)
