@@ -110,6 +110,7 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
                ("include_stop_str_in_output", (None, False), "a stop string is left out of the text"),
                ("skip_special_tokens", (None, True), "special tokens are left out of the text"),
                ("prompt_logprobs", (None, 0), "no log probabilities are returned"),
+               ("truncate_prompt_tokens", (None,), "the prompt is not truncated"),
                ("guided_json", (None,), "no guided decoding"),
                ("guided_regex", (None,), "no guided decoding"),
                ("guided_choice", (None,), "no guided decoding"),
@@ -119,7 +120,13 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
 CHAT_UNSUPPORTED = (("tools", (None, []), "no tool calls"),
                     ("functions", (None, []), "no function calls"),
                     ("tool_choice", (None, "none", "auto"), "no tool calls"),
-                    ("function_call", (None, "none", "auto"), "no function calls"))
+                    ("function_call", (None, "none", "auto"), "no function calls"),
+                    # vLLM's chat template controls (they would change the prompt)
+                    ("chat_template_kwargs", (None, {}), "the chat template takes no arguments"),
+                    ("add_generation_prompt", (None, True), "the template always adds the generation prompt"),
+                    ("continue_final_message", (None, False), "no continuation of the final message"),
+                    ("add_special_tokens", (None, False), "the template's text gets no special tokens added"),
+                    ("chat_template", (None,), "the model's own chat template only"))
 SEED_RANGE = 2 ** 63  # seeds are taken modulo this (OpenAI's are any int64: -1 included)
 
 
@@ -255,13 +262,18 @@ class Detokenizer:
     `prompt_ids`: the first window's context is the prompt's last CONTEXT tokens, as vLLM's is. A
     SentencePiece tokenizer (Llama 2, Mistral) strips the leading space of a decode's first
     word, so without it "The capital of France is" went on "Paris" (found by review in stop 50).
+
+    `stop_ids`: a stop token id ends the text, and its own text is left out, as vLLM leaves it
+    out (the token is generated, and counted in the usage).
     """
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] = (), stop_ids=()):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.stop_ids = set(stop_ids)
+        self.ended = False  # a stop token id came (nothing after it is text)
         self.context = min(len(prompt_ids), self.CONTEXT)
         self.ids: list[int] = list(prompt_ids[len(prompt_ids) - self.context:])  # context, then the output
         self.prefix_offset = 0  # the decode window starts here
@@ -273,6 +285,12 @@ class Detokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """New delta after token_ids; sets .stopped when a stop string appears."""
+        if self.ended:
+            token_ids = []
+        for i, t in enumerate(token_ids if self.stop_ids else ()):
+            if t in self.stop_ids:
+                token_ids, self.ended = token_ids[:i], True
+                break
         self.ids.extend(token_ids)
         if not self.stopped:
             self._decode(final=False)
@@ -283,7 +301,7 @@ class Detokenizer:
         the stop string (usage counts those, however the rounds split the tokens and whatever
         they wrote after it). A binary search: once in the text, a stop string stays there."""
         if not self.stopped:
-            return len(self.ids) - self.context
+            return len(self.ids) - self.context + self.ended
         decode = self.tokenizer.decode
         context = len(decode(self.ids[:self.context], skip_special_tokens=True))
         lo, hi = self.context, self.stopped_at  # (the text of ids[:lo] lacks it; that of ids[:hi] holds it)

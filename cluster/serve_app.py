@@ -128,7 +128,8 @@ class PairReplica:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         coalesce = request.get("coalesce", False)
-        watch = Detokenizer(self.tokenizer, request["stop"], request["prompt_ids"]) if request.get("stop") else None
+        watch = Detokenizer(self.tokenizer, request["stop"], request["prompt_ids"],
+                            request["sampling"]["stop_token_ids"]) if request.get("stop") else None
 
         def on_tokens(tokens: list[int]) -> bool:  # (the engine's thread: False ends the request in this round)
             if watch is not None:
@@ -421,7 +422,7 @@ class OpenAIIngress:
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}
         stream = self.pair.options(stream=True).generate.remote(upstream)
         cid, timer = completion_id(chat), self.metrics.timer()
-        detok = Detokenizer(self.tokenizer, req.stop, prompt_ids)
+        detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
         try:
             first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
         except Exception as e:

@@ -87,6 +87,8 @@ def test_the_first_word_keeps_its_space_after_the_prompt():
         assert detok.tokens_used() == len(out)
     detok = Detokenizer(tok, [" Rome"], prompt)  # stop strings and usage see the same text
     assert stream(detok, out, random.Random(0)) == " Paris and" and detok.tokens_used() == 3
+    detok = Detokenizer(tok, [], prompt, stop_ids=[out[1]])  # a stop token ends the text, its own text left out
+    assert stream(detok, out, random.Random(0)) == " Paris" and detok.tokens_used() == 2  # (it counts: vLLM's usage)
     detok = Detokenizer(tok, ["France"], prompt)  # the prompt's own text is not searched
     assert stream(detok, out, random.Random(0)) == " Paris and Rome" and not detok.stopped
 
@@ -128,7 +130,8 @@ def test_absurd_values_are_400s(body, param):
                                          ("repetition_penalty", 1.2), ("min_p", 0.1), ("use_beam_search", True),
                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
                                          ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
-                                         ("structured_outputs", {"regex": "a+"}), ("bad_words", ["x"])])
+                                         ("structured_outputs", {"regex": "a+"}), ("bad_words", ["x"]),
+                                         ("truncate_prompt_tokens", 10)])
 def test_fields_asked_for_and_not_implemented_are_400s(field, value):
     """Until stop 47 these were accepted and ignored (a 200 whose logprobs were null, say); vLLM's
     extensions that would change the output, and response_format on completions, until stop 50."""
@@ -139,7 +142,7 @@ def test_fields_asked_for_and_not_implemented_are_400s(field, value):
              "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}, "min_tokens": 0,
              "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False, "include_stop_str_in_output": False,
              "skip_special_tokens": True, "guided_json": None, "guided_choice": None, "structured_outputs": None,
-             "bad_words": []}[field]
+             "bad_words": [], "truncate_prompt_tokens": None}[field]
     assert parse_completion({"model": "m", "prompt": "p", field: inert}, "m").prompt == "p"  # asks for nothing
 
 
@@ -169,12 +172,15 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tok):
 def test_chat_fields_asked_for_and_not_done_are_400s_and_the_rest_is_accepted():
     for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
                          ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
-                         ("response_format", {"type": "json_object"})):
+                         ("response_format", {"type": "json_object"}),
+                         ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
+                         ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ x }}")):
         with pytest.raises(APIError) as e:
             parse_completion({"model": "m", "prompt": "p", field: value}, "m", chat=True)
         assert e.value.param == field and e.value.code == "unsupported_value"
     req = parse_completion({"model": "m", "prompt": "p", "tools": [], "tool_choice": "auto",
-                            "response_format": {"type": "text"}}, "m", chat=True)
+                            "response_format": {"type": "text"}, "add_generation_prompt": True,
+                            "chat_template_kwargs": {}}, "m", chat=True)
     assert req.max_tokens is None  # chat: up to the end of the context, as OpenAI's (completions: 16)
     assert parse_completion({"model": "m", "prompt": "p"}, "m").max_tokens == 16
 
