@@ -104,11 +104,15 @@ class DrafterClient:
         """The reply to the oldest request on the stream not yet answered. An error ends the
         stream (the next send opens another)."""
         try:
-            return self.stream.receive()
+            reply = self.stream.receive()
         except grpc.RpcError:
             self.stream.close()
             self.stream = None
             raise
+        if self.stream.expired is not None and not self.stream.pending:  # the watchdog cancelled the stream
+            self.stream.close()  # as this reply came: the next send opens another (it went on the dead one,
+            self.stream = None   # and its receive took the drafter for failed)
+        return reply
 
     def close(self) -> None:
         if self.stream is not None:
