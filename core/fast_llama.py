@@ -634,5 +634,6 @@ class FastLlama:
                     self.forward([[1] * w], [0], last_only=last_only, vocab=vocab)
                     self.cache.fork(self.slots - 1, 0, 1)
                     self.forward([[1] * w] * 2, [0, self.slots - 1], last_only=last_only, vocab=vocab)
+                    self.cache.reset(self.slots - 1)  # (the branch first: the fork rule)
         for s in range(self.slots):
             self.cache.reset(s)
