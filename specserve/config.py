@@ -41,7 +41,7 @@ class SpecServeConfig:
     placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
     request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
-    drafter_hang_s: float = 60.0  # a drafter actor that runs but answers nothing for this long after a failed call is restarted
+    drafter_hang_s: float = 60.0  # a drafter actor that runs but cannot be reached for this long after a failed call is restarted
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
     device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
     dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), the drafter there float32 with a bfloat16 head; else float32), float32, bfloat16, float16
