@@ -93,6 +93,7 @@ class PairReplica:
         hf_logging.disable_progress_bar()
         self.tokenizer = check_pair(cfg)  # once, before any actor starts; for stop strings too (generate)
         self.drafter = None  # a DrafterHandle: restarted by Ray, or recreated, and found again
+        self.silent_probes = 0  # /health's probes of the drafter actor left unanswered in a row
         if cfg.drafter_actor:  # (colocated: build_engine loads the drafter in this process)
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
@@ -204,25 +205,33 @@ class PairReplica:
         return await self._probe_drafter() or state
 
     DRAFTER_PROBE_S = 2.0
+    DRAFTER_SILENT_PROBES = 3  # probes in a row the drafter actor leaves unanswered: the engine is told
 
     async def _probe_drafter(self) -> dict | None:
         """None if the drafter actor answers at the address the engine drafts through; else the
         pair is degraded. A drafter found elsewhere (restarted) or dead for good is reported to the
-        engine, which reconnects (`SpeculativeEngine.drafter_moved`); one that does not answer
-        (restarting, busy, unreachable) is only reported here: the engine finds out at its next
-        drafting call, or at a later probe, once the restarted actor answers from elsewhere."""
+        engine, which reconnects (`SpeculativeEngine.drafter_moved`); so is one that leaves
+        DRAFTER_SILENT_PROBES probes in a row unanswered (hung, or restarting): the engine then
+        reconnects in the background, and restarts a hung drafter (`drafter_hang_s`), with no
+        request needed."""
         import ray
 
         using = self.engine.proposer.client.address
         try:
             address = await asyncio.wait_for(self.drafter.actor.get_address.remote(), self.DRAFTER_PROBE_S)
         except asyncio.TimeoutError:
+            self.silent_probes += 1
+            if self.silent_probes >= self.DRAFTER_SILENT_PROBES:  # (until stop 50 an idle pair's engine learnt of
+                self.silent_probes = 0                            # a hung drafter only from its next request)
+                self.engine.drafter_moved(using, f"the drafter actor did not answer {self.DRAFTER_SILENT_PROBES} "
+                                          f"health probes of {self.DRAFTER_PROBE_S:g} s")
             return {"status": "degraded", "reason": f"the drafter actor did not answer in {self.DRAFTER_PROBE_S:g} s "
                     "(restarting?)"}
         except ray.exceptions.ActorDiedError:  # for good: the engine's reconnect starts another
             address = "none (the actor died)"
         except ray.exceptions.RayError as e:  # unreachable for now (a node, the network): maybe fine
             return {"status": "degraded", "reason": f"the drafter actor did not answer ({type(e).__name__})"}
+        self.silent_probes = 0
         if address == using:
             return None
         self.engine.drafter_moved(using)

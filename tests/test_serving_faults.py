@@ -110,6 +110,33 @@ def test_drafter_killed_mid_stream(base, tiny_pair_dir):
         serve.delete("faulty")
 
 
+def test_a_hung_drafter_of_an_idle_pair_is_restarted_through_health(base, tiny_pair_dir):
+    """A drafter stopped (SIGSTOP) while its pair is idle: /health's probes of its actor go
+    unanswered, and after three in a row the engine is told, reconnects in the background and
+    restarts the hung drafter (drafter_hang_s). Until stop 50 the pair stayed degraded until a
+    request came, and that request waited out a drafting deadline."""
+    from ray import serve
+    deploy("idle-hang", tiny_pair_dir, k=3, speculation="fixed", drafter_hang_s=1)
+    url = f"{base}/idle-hang"
+    pair = serve.get_deployment_handle("PairReplica", "idle-hang")
+    try:
+        body = {"model": MODEL, "prompt": "def g(x):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        want = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        info = pair.drafter_info.remote().result()
+        os.kill(info["pid"], signal.SIGSTOP)
+        seen, deadline = [], time.monotonic() + 120
+        while "degraded" not in seen or seen[-1] != "ok":  # (no request meanwhile)
+            assert time.monotonic() < deadline, seen[-5:]
+            seen.append(httpx.get(url + "/health", timeout=30).json()["status"])
+            time.sleep(0.2)
+        after = pair.drafter_info.remote().result()
+        assert after["pid"] != info["pid"] and after["reconnects"] == info["reconnects"] + 1
+        got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["text"] == want and got["speculative"]["drafts_by_method"].get("draft_model", 0) > 0
+    finally:
+        serve.delete("idle-hang")
+
+
 def test_overload_is_a_prompt_503_and_health_metrics_still_answer(base, tiny_pair_dir):
     from ray import serve
     deploy("tight", tiny_pair_dir, max_num_seqs=1, max_waiting=0)

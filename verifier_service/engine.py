@@ -267,7 +267,7 @@ class SpeculativeEngine:
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
-        self._moved: str | None = None  # a drafter address found stale from outside the loop (`drafter_moved`)
+        self._moved: tuple[str, str] | None = None  # (a drafter address found stale from outside the loop, why)
         self.proposer_failures = 0
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
@@ -384,19 +384,20 @@ class SpeculativeEngine:
             return {"status": "degraded", "reason": self.degraded}
         return {"status": "ok"}
 
-    def drafter_moved(self, address: str) -> None:
+    def drafter_moved(self, address: str, why: str | None = None) -> None:
         """Word from outside the loop (the pair replica's health probe) that the drafter no longer
-        serves at `address`: its actor restarted elsewhere, or died. If the loop still drafts
-        through that address, it takes this as a failed drafting call (n-gram fallback, reconnect
-        in the background), so an idle pair reconnects now, not in its next request's rounds."""
+        serves at `address`: its actor restarted elsewhere, died, or does not answer (`why`). If
+        the loop still drafts through that address, it takes this as a failed drafting call
+        (n-gram fallback, reconnect in the background, a hung drafter restarted), so an idle pair
+        reconnects now, not in its next request's rounds."""
         with self.lock:
-            self._moved = address
+            self._moved = (address, why or f"the drafter no longer serves at {address}")
             self.work.notify()
 
-    def _take_moved(self, moved: str | None) -> None:
+    def _take_moved(self, moved: tuple[str, str] | None) -> None:
         client = getattr(self.proposer, "client", None)
-        if moved is not None and self.degraded is None and getattr(client, "address", None) == moved:
-            self._proposer_failed(ConnectionError(f"the drafter no longer serves at {moved}"))
+        if moved is not None and self.degraded is None and getattr(client, "address", None) == moved[0]:
+            self._proposer_failed(ConnectionError(moved[1]))
 
     # ---------------------------------------------------------------- the loop
     def start(self) -> None:
