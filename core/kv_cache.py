@@ -60,9 +60,14 @@ class SlotKVCache:
                 new[:, :, : old.shape[2]] = old
                 buffers[i] = new
 
+    def _keep_forks(self, slot: int, length: int) -> None:
+        """The fork rule: a slot keeps every position a live branch of it reads (length: what it
+        would keep; -1: none, as a reset)."""
+        if any(p == slot and at > length for p, at in self.parents.values()):
+            raise ValueError(f"cannot take slot {slot} back to {max(length, 0)}: a branch forked from it lives")
+
     def reset(self, slot: int = 0) -> None:
-        if any(p == slot for p, _ in self.parents.values()):  # (the fork rule, as in rollback)
-            raise ValueError(f"cannot reset slot {slot}: a branch forked from it lives")
+        self._keep_forks(slot, -1)
         self.lengths[slot] = 0
         self.parents.pop(slot, None)
 
@@ -108,8 +113,7 @@ class SlotKVCache:
         branch's fork (`fork`'s rule; until stop 50 unchecked here and in `reset`, and the branch
         then read positions its parent would write again)."""
         length = self.lengths[slot] - n
-        if any(p == slot and at > length for p, at in self.parents.values()):
-            raise ValueError(f"cannot roll slot {slot} back to {length}: a branch forked from it above that")
+        self._keep_forks(slot, length)
         self.lengths[slot] = length
 
 

@@ -122,13 +122,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     # -- helpers ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self):
-        """The model lock, with pending releases applied first (and after: any that came in meanwhile)."""
+    def _locked(self, timeout: float = -1):
+        """The model lock, with pending releases applied first (and after: any that came in
+        meanwhile). timeout: give up waiting after this long; yields whether it holds the lock."""
+        got = self.lock.acquire(timeout=timeout)
         try:
-            with self.lock:
+            if got:
                 self._apply_releases()
-                yield
+            yield got
         finally:  # (a refused call too)
+            if got:
+                self.lock.release()
             self._drain_releases()
 
     def _apply_releases(self) -> None:
@@ -293,15 +297,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Info(self, request, context):
         # a busy drafter (a long Start or pass holding the model lock) answers at once: a verifier
         # connecting asks it, and takes a drafter that does not answer for a while for hung
-        locked = self.lock.acquire(timeout=0.05)
-        try:
-            if locked:
-                self._apply_releases()
+        with self._locked(timeout=0.05) as locked:
             live = self.live_sequences if locked else len(self.inner.seqs)  # (else: a moment's count)
-        finally:
-            if locked:
-                self.lock.release()
-                self._drain_releases()
         return pb.InfoReply(vocab_size=self.vocab_size, max_length=self.max_length, live_sequences=live,
                             pipeline=self.pipeline, pipeline_hits=getattr(self.proposer, "hits", 0),
                             pipeline_misses=getattr(self.proposer, "misses", 0), protocol_version=PROTOCOL_VERSION,

@@ -51,12 +51,10 @@ def build_engine(cfg: SpecServeConfig, drafter: DrafterHandle | str | Callable[[
                                          dtype=cfg.dtype, compile=cfg.compile)
     target.warmup(widths=(1, cfg.k + 1))  # compiles now (when compiled), not on the first request
     proposer = None
-    if cfg.drafter is not None and isinstance(drafter, DrafterHandle):
+    if cfg.drafter is not None and drafter is not None:
         from specserve.verifier.client import RemoteProposer
-        proposer = RemoteProposer(drafter.address, drafter=drafter, hang_s=cfg.drafter_hang_s)
-    elif cfg.drafter is not None and drafter is not None:
-        from specserve.verifier.client import RemoteProposer
-        proposer = RemoteProposer(drafter)  # (the engine checks its vocabulary against the target's)
+        handle = drafter if isinstance(drafter, DrafterHandle) else None  # (the engine checks the vocabulary)
+        proposer = RemoteProposer(handle.address if handle else drafter, drafter=handle, hang_s=cfg.drafter_hang_s)
     elif cfg.drafter is not None:
         from specserve.drafter.draft_model import DraftModelProposer
         drafter = ModelRunner.from_pretrained(cfg.drafter, name="drafter", role="drafter", slots=cfg.max_num_seqs,
