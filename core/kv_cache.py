@@ -5,7 +5,7 @@ the sequence length. Buffers double when full, up to the model's context (amorti
 token); a compiled forward sees the capacity as a dynamic size, so growth does not recompile.
 
 - `SlotKVCache`: the lean Llama forward's cache (`fast_llama`), K and V
-  [slots + 1, kv_heads, capacity, head_dim] per layer and a length per slot, so one batched pass
+  [slots + 1, kv_heads, capacity + 1, head_dim] per layer and a length per slot, so one batched pass
   serves several sequences (continuous batching). The extra row is a scratch slot: a batch padded
   to a fixed shape writes its padding there, so padding never touches a live sequence.
   A slot can be a branch of another (`fork`): it attends to the parent's positions below the
@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 
 class SlotKVCache:
-    """Per layer, K and V buffers [slots + 1, kv_heads, capacity, head_dim] (the last row is the
+    """Per layer, K and V buffers [slots + 1, kv_heads, capacity + 1, head_dim] (the last row is the
     scratch slot); per slot, a length."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, max_length: int,
@@ -37,7 +37,15 @@ class SlotKVCache:
         self.v = [self._buffer(capacity) for _ in range(num_layers)]
 
     def _buffer(self, capacity: int) -> torch.Tensor:
-        return self._like.new_zeros(self.slots + 1, self.kv_heads, capacity, self.head_dim)
+        """A buffer of `capacity` positions plus one never attended, made in inference mode. Both
+        keep a compiled pass's graphs (until stop 51 the first sequence past 192 positions
+        compiled every graph again, and hit dynamo's recompile limit, then ran eagerly):
+        - a pass attends to a prefix of the buffer (its span), and a span as long as the whole
+          buffer is a view of another layout, which compiles another graph;
+        - a graph guards on its inputs' kind, and the buffers a pass grows (in inference mode)
+          were inference tensors where the first ones were not."""
+        with torch.inference_mode():
+            return self._like.new_zeros(self.slots + 1, self.kv_heads, capacity + 1, self.head_dim)
 
     @property
     def scratch(self) -> int:
@@ -46,7 +54,7 @@ class SlotKVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[2] - 1
 
     def ensure_capacity(self, needed: int) -> None:
         """Grows every buffer (doubling, up to max_length) so positions [0, needed) fit."""
