@@ -366,6 +366,13 @@ class FastLlama:
         self.compiled = compile
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
+        if compile:  # what the pass reads that is no module parameter (fused weights, tables) is static
+            # too: on a GPU its CUDA graphs would otherwise copy them into their own buffers each replay
+            # (unguarded, as parameters are: another model of these shapes runs the same graphs)
+            for t in (self.cos, self.sin_signed, self.vocab, self.vocab_head,
+                      *(w for lw in self.layer_weights for w in (lw.qkv, lw.gate_up))):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t, guard=False)
         # the output head alone packed in bfloat16 (a float32 model, asked for: see packed_bf16_head)
         self.head_packed = packed_bf16_head(self.lm_head) \
             if bf16_head and not compile and self.device.type == "cpu" else None
