@@ -10,7 +10,7 @@ from specserve.training.tiny import tiny_model
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams
-from specserve.verifier.engine import SpeculativeEngine
+from specserve.verifier.engine import RequestFailed, SpeculativeEngine
 
 V = 96
 NEAR_TIE = 1e-4
@@ -154,6 +154,28 @@ def test_a_cancel_while_its_request_is_being_admitted_is_not_lost():
         engine.step()
     assert answers == [True] and req.done.is_set() and req.result().finish_reason == "cancelled"
     assert len(req.result().token_ids) < 20 and len(engine.free_slots) == engine.max_num_seqs
+
+
+def test_a_dead_loop_fails_its_requests_and_refuses_new_ones():
+    """A loop that dies (a BaseException from a caller's callback, which no step catches) fails the
+    requests it held, and later submits fail at once; until stop 51 they waited for ever, and a
+    pair replica said so only once Serve's health checks restarted it."""
+    engine = SpeculativeEngine(ModelRunner(tiny_model("llama", V, seed=1)), None, eos_ids=set(), max_num_seqs=1)
+
+    def exit_(tokens):
+        raise SystemExit
+
+    engine.start()
+    fatal = engine.submit([1, 2, 3], 50, SamplingParams(), k=0, on_tokens=exit_)
+    queued = engine.submit([4, 5, 6], 5, SamplingParams(), k=0)  # (one slot: it waits behind the first)
+    assert fatal.done.wait(30) and queued.done.wait(30)
+    for req in (fatal, queued):
+        with pytest.raises(RequestFailed, match="loop has stopped"):
+            req.result()
+    engine.loop.join(10)
+    assert engine.health()["status"] == "dead"
+    with pytest.raises(RequestFailed, match="loop has stopped"):
+        engine.submit([7, 8], 5, SamplingParams(), k=0)
 
 
 def test_a_raising_on_finish_stays_with_its_request():

@@ -334,6 +334,8 @@ class SpeculativeEngine:
         with self.lock:
             if self.stopping:
                 raise RequestFailed("the engine has stopped")
+            if self.loop is not None and not self.loop.is_alive():  # (it would wait for ever)
+                raise RequestFailed("the engine loop has stopped")
             starting = [r for start in list(self._starting) for r in start[1]]  # (its Start's answer names it)
             if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running + starting):
                 raise ValueError(f"request id {req.id!r} is in use by a running request")
@@ -414,25 +416,29 @@ class SpeculativeEngine:
             self.work.notify()
 
     def _run(self) -> None:
-        while True:
-            with self.lock:
-                if not self.stopping and not self.waiting and not self.running and self._moved is None:
-                    # idle; while degraded, wake up now and then to pick up a recovered proposer
-                    # (or a Start under way on its helper thread: handled once done, not at the next request)
-                    self.work.wait(timeout=0.25 if self.degraded is not None or self._starting else None)
-                if self.stopping:
-                    break
+        try:
+            while True:
+                with self.lock:
+                    if not self.stopping and not self.waiting and not self.running and self._moved is None:
+                        # idle; while degraded, wake up now and then to pick up a recovered proposer
+                        # (or a Start under way on its helper thread: handled once done, not at the next request)
+                        self.work.wait(timeout=0.25 if self.degraded is not None or self._starting else None)
+                    if self.stopping:
+                        break
+                with self.step_lock:
+                    try:
+                        self.step()
+                    except Exception as e:  # outside a round's own handling: its requests fail, never the loop
+                        log.exception("a step failed")
+                        self._fail_in_flight(e)
+        finally:  # stopped, or the loop died (a BaseException, as SystemExit from a caller's callback): every
+            # request fails, none waits for ever (until stop 51 a dead loop left them, and later submits, hanging)
+            error = RequestFailed("the engine has stopped" if self.stopping else "the engine loop has stopped")
             with self.step_lock:
-                try:
-                    self.step()
-                except Exception as e:  # outside a round's own handling: its requests fail, never the loop
-                    log.exception("a step failed")
-                    self._fail_in_flight(e)
-        with self.step_lock:
-            with self.lock:
-                waiting, self.waiting = list(self.waiting), deque()
-            self._fail(waiting, RequestFailed("the engine has stopped"))
-            self._fail_in_flight(RequestFailed("the engine has stopped"))
+                with self.lock:
+                    waiting, self.waiting = list(self.waiting), deque()
+                self._fail(waiting, error)
+                self._fail_in_flight(error)
 
     def _fail_in_flight(self, error: Exception) -> None:
         """Fails the running and admitting requests (a step raised where nothing else caught it:
