@@ -94,6 +94,7 @@ class PairReplica:
         self.tokenizer = check_pair(cfg)  # once, before any actor starts; for stop strings too (generate)
         self.drafter = None  # a DrafterHandle: restarted by Ray, or recreated, and found again
         self.silent_probes = 0  # /health's probes of the drafter actor left unanswered in a row
+        self.probe: asyncio.Future | None = None  # the one under way
         if cfg.drafter_actor:  # (colocated: build_engine loads the drafter in this process)
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
@@ -124,7 +125,7 @@ class PairReplica:
 
         from specserve.cluster.openai_api import Detokenizer
         from specserve.core.sampling import SamplingParams
-        from specserve.verifier.engine import Overloaded, RequestTimeout
+        from specserve.verifier.engine import Overloaded, RequestFailed, RequestTimeout
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -158,7 +159,7 @@ class PairReplica:
         except ValueError as e:
             yield {"error": {"status": 400, "message": str(e)}}
             return
-        except Overloaded as e:
+        except (Overloaded, RequestFailed) as e:  # (RequestFailed: the engine stopped, or its loop died)
             yield {"error": {"status": 503, "message": str(e)}}
             return
         finished = False
@@ -174,6 +175,8 @@ class PairReplica:
                     yield {"error": {"status": 504, "message": str(item.error)}}
                 elif kept is None and item.error is not None:
                     yield {"error": {"status": 500, "message": f"generation failed: {item.error}"}}
+                elif kept is None and item.finish_reason == "cancelled":  # streaming failed here: an error, not a short answer
+                    yield {"error": {"status": 500, "message": "generation stopped: streaming its tokens failed"}}
                 else:
                     final = {"finish_reason": "stop" if kept is not None else item.finish_reason,
                              "stats": item.stats.to_dict(), "k": k, "method": item.method}
@@ -202,7 +205,9 @@ class PairReplica:
         state = self.engine.health()
         if state["status"] != "ok" or self.drafter is None:
             return state
-        return await self._probe_drafter() or state
+        if self.probe is None or self.probe.done():  # one probe at a time: callers at once share it (until
+            self.probe = asyncio.ensure_future(self._probe_drafter())  # stop 51 three /health calls in one stall
+        return await asyncio.shield(self.probe) or state              # of 2 s had a busy drafter restarted)
 
     DRAFTER_PROBE_S = 2.0
     DRAFTER_SILENT_PROBES = 3  # probes in a row the drafter actor leaves unanswered: the engine is told
@@ -436,6 +441,9 @@ class OpenAIIngress:
             first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
         except Exception as e:
             raise _pair_failed(e) from None
+        except BaseException:  # the client went away before the first message (for a request that is not
+            stream.cancel()    # streamed, the whole generation): its slots are freed, not kept to its end
+            raise
         if "error" in first:
             self._raise_upstream(first["error"])
         if req.stream:
@@ -489,7 +497,7 @@ class OpenAIIngress:
         """The SSE stream: (chat: the role first, as OpenAI's) text chunks, the finish chunk with
         the `speculative` block, and with stream_options.include_usage a usage chunk (with
         continuous_usage_stats too, as vLLM's: every chunk carries the usage so far); then [DONE]."""
-        final = None
+        final, answered = None, False
 
         def chunk(text: str, finish_reason: str | None = None) -> dict:
             c = completion_chunk(cid, req.model, text, finish_reason, chat)
@@ -518,6 +526,7 @@ class OpenAIIngress:
                 if tail:
                     yield sse_event(chunk(tail))
             done = self._finish(cid, req, prompt_ids, detok, final, chat, timer)
+            answered = True
             last = chunk("", done["choices"][0]["finish_reason"])
             last["speculative"] = done["speculative"]
             yield sse_event(last)
@@ -526,8 +535,14 @@ class OpenAIIngress:
         except APIError as e:
             self._count_failure(e)
             yield sse_event(e.body())
-        except BaseException as e:  # the client disconnected mid-stream, or a bug broke it off
-            self._count_failure(e)
+        except Exception as e:  # a bug: an error event, as any other failure (it broke the stream off)
+            log.exception("a stream failed")
+            error = APIError(500, f"the stream failed: {type(e).__name__}: {e}")
+            self._count_failure(error)
+            yield sse_event(error.body())
+        except BaseException as e:  # the client disconnected mid-stream
+            if not answered:  # (a client gone during the last chunks was answered: counted as finished)
+                self._count_failure(e)
             raise
         finally:
             stream.cancel()

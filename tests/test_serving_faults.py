@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -124,6 +125,13 @@ def test_a_hung_drafter_of_an_idle_pair_is_restarted_through_health(base, tiny_p
         want = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         info = pair.drafter_info.remote().result()
         os.kill(info["pid"], signal.SIGSTOP)
+        # three probes at once are one probe: the engine is not told yet (until stop 51 they were three,
+        # and three /health calls in one stall of 2 s told the engine its drafter was hung)
+        with ThreadPoolExecutor(3) as pool:
+            at_once = list(pool.map(lambda _: httpx.get(url + "/health", timeout=30).json(), range(3)))
+        assert all("did not answer in" in h["reason"] for h in at_once), at_once
+        time.sleep(0.5)
+        assert "did not answer in" in httpx.get(url + "/health", timeout=30).json()["reason"]
         seen, deadline = [], time.monotonic() + 120
         while "degraded" not in seen or seen[-1] != "ok":  # (no request meanwhile)
             assert time.monotonic() < deadline, seen[-5:]
