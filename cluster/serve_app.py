@@ -141,8 +141,8 @@ class PairReplica:
             return watch is None or not watch.stopped
 
         k = self.k if request["speculative"] else 0
-        if request.get("k") is not None and k:
-            k = request["k"]
+        if request.get("k") is not None:  # at most the config's k (until stop 51 a request's k replaced it)
+            k = min(k, request["k"])
         max_tokens = request["max_tokens"]
         if max_tokens is None:  # (chat without max_tokens: as OpenAI's, up to the end of the context)
             max_tokens = self.engine.max_length - len(request["prompt_ids"])

@@ -38,8 +38,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64):
+            # (the wire's field is a uint64: a seed outside it made a remote drafter refuse the request,
+            # which then ran without speculation, silently, until stop 51)
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -207,6 +207,10 @@ def serve_settings(args) -> tuple[dict, str, int]:
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
     if args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation:
         raise CLIError("--drafter is required with --target (or pass --no-speculation)")  # as `generate`
+    if args.drafter is not None and args.target is None and "target" not in app_args:  # (it paired the demo
+        raise CLIError("--drafter given without --target")                            # target, silently)
+    if not _is_port(port):
+        raise CLIError(f"the port must be an integer in [1, 65535], got {port!r}")
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
                 "colocate", "draft_vocab"):
         if getattr(args, key) is not None:
@@ -217,6 +221,24 @@ def serve_settings(args) -> tuple[dict, str, int]:
     if api_key:
         app_args["api_key"] = api_key
     return app_args, host, port
+
+
+def _is_port(port) -> bool:
+    return isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why this machine cannot listen at (host, port), or None: Serve's proxy binds it in an actor
+    of its own, and a port in use left `serve` saying it served while nothing of ours listened."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the proxy: a port in TIME_WAIT is free)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def cmd_serve(args) -> int:
@@ -237,6 +259,9 @@ def cmd_serve(args) -> int:
     from specserve.cluster.pair import ensure_ray
     from specserve.cluster.serve_app import build_app
     fresh = ensure_ray()
+    taken = _port_taken(host, port) if fresh else None  # (a cluster joined may run Serve's proxy there already)
+    if taken:
+        raise CLIError(f"cannot listen at {host}:{port}: {taken} (another server? pass --port)")
     have = ray.cluster_resources()
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
@@ -254,9 +279,11 @@ def cmd_serve(args) -> int:
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
         raise CLIError(f"the app did not start: {last_line(e, type(e).__name__)} "
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
-    url = f"http://{'localhost' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}"
+    shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' if cfg.api_key else ""  # (the key itself: not in logs)
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
           f"\"temperature\": 0}}'\n", flush=True)
     stop: list[int] = []  # a plain flag: a handler that set a threading.Event could run while the main

@@ -61,6 +61,8 @@ class SpecServeConfig:
         if self.drafter == "":
             self.drafter = None
         need(_is_int(self.k) and 0 <= self.k <= MAX_K, f"k must be an integer in [0, {MAX_K}], got {self.k!r}")
+        if self.k == 0:  # the target alone: no drafter to start, nor a GPU to reserve for it (until stop 51 it ran idle)
+            self.drafter = None
         need(self.speculation in SPECULATION_POLICIES,
              f"speculation must be one of {SPECULATION_POLICIES}, got {self.speculation!r}")
         need(isinstance(self.pipeline, bool) or self.pipeline in PIPELINE_POLICIES,
@@ -87,8 +89,9 @@ class SpecServeConfig:
         need(_is_number(self.drafter_hang_s) and self.drafter_hang_s > 0, "drafter_hang_s must be a number > 0")
         need(_is_number(self.stream_interval_ms) and 0 <= self.stream_interval_ms <= 1000,
              "stream_interval_ms must be a number in [0, 1000]")
-        need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")),
-             f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")
+                                                         and self.device[5:].isdigit()),
+             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")

@@ -153,7 +153,12 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
     for argv, message in (
             (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be >= 0"),
             (["serve", "--target", tiny_pair_dir["target"]], "--drafter is required with --target"),
-            (["serve", "--config", str(bad_config)], "applications must be a list of mappings")):
+            (["serve", "--config", str(bad_config)], "applications must be a list of mappings"),
+            # stop 51: a seed past the wire's uint64 ran a distributed request without speculation, silently;
+            # a drafter alone was paired with the demo target; a port out of range reached Serve
+            (["generate", "--seed", "-1", "--prompt", "x"], "seed must be an integer in [0, 2**64)"),
+            (["serve", "--drafter", tiny_pair_dir["drafter"]], "--drafter given without --target"),
+            (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]")):
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
@@ -163,8 +168,13 @@ def test_bad_invocations_found_in_stop_49_are_messages():
     actor that died loading was a Ray traceback, exit 1; `serve` with more pairs than Ray can place
     waited for good, silently (Serve waits for the replicas' resources)."""
     import torch
+    import socket
+    held = socket.socket()  # a port another server listens at (stop 51: `serve` said it served there)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
     cases = [(["generate", "--distributed", "--no-speculation", "--prompt", "x"], "plain decoding"),
-             (["serve", "--num-pairs", "64"], "this machine's Ray cannot place it")]
+             (["serve", "--num-pairs", "64"], "this machine's Ray cannot place it"),
+             (["serve", "--host", "127.0.0.1", "--port", str(held.getsockname()[1])], "cannot listen at 127.0.0.1")]
     if not torch.cuda.is_available():
         cases.append((["generate", "--distributed", "--device", "cuda", "--prompt", "x", "--max-tokens", "2"],
                       "the pair did not start: ActorDiedError"))
@@ -172,6 +182,7 @@ def test_bad_invocations_found_in_stop_49_are_messages():
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    held.close()
 
 
 def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default(tmp_path, monkeypatch):

@@ -599,6 +599,11 @@ def test_k_is_capped_where_the_drafter_caps_it_and_yaml_off_is_off():
 def test_a_colocated_pair_has_one_bundle_and_colocate_is_checked():
     assert SpecServeConfig(colocate=True, use_gpu=True).bundles() == [{"CPU": 1.0, "GPU": 1.0}]
     assert len(SpecServeConfig(use_gpu=True).bundles()) == 2
+    # k: 0 is the target alone: no drafter actor, nor its GPU (until stop 51 one was started, idle)
+    assert SpecServeConfig(k=0, use_gpu=True).bundles() == [{"CPU": 1.0, "GPU": 1.0}]
+    assert SpecServeConfig(k=0).drafter is None
+    with pytest.raises(ValueError, match="cuda:N"):
+        SpecServeConfig(device="cuda:abc")
     with pytest.raises(ValueError, match="colocate must be true or false"):
         SpecServeConfig.from_dict({"colocate": "yes"})
     with pytest.raises(ValueError, match="does not pipeline"):

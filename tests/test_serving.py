@@ -347,6 +347,11 @@ def test_per_request_proposer_and_the_chosen_k_in_metrics(server, client):
         rounds = sum(spec["rounds_by_k"])
     assert texts["ngram"] == texts["draft_model"] == texts["none"]
     assert metric(server, "specserve_spec_decode_chosen_k_count") - rounds_before >= rounds > 0
+    # a request's k is capped at the deployment's (3 here; until stop 51 a request's k replaced it)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"speculative": {"k": 16}})
+    spec = r.model_extra["speculative"]
+    assert r.choices[0].text == texts["none"] and spec["k"] == 3 and not any(spec["rounds_by_k"][4:])
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"speculative": {"method": "eagle"}})
     assert e.value.body["param"] == "speculative.method"
