@@ -99,17 +99,20 @@ def test_sampling_seed_reproducible_and_varies():
     assert a != c
 
 
-@pytest.mark.parametrize("q_dtype", [None, torch.bfloat16], ids=["q-float32", "q-bfloat16-wire"])
-def test_sampled_tokens_follow_target_distribution(q_dtype):
+@pytest.mark.parametrize("q_dtype, dtype", [(None, torch.float32), (torch.bfloat16, torch.float32),
+                                            (None, torch.bfloat16)],
+                         ids=["q-float32", "q-bfloat16-wire", "models-bfloat16"])
+def test_sampled_tokens_follow_target_distribution(q_dtype, dtype):
     """Six sampled tokens of the speculative engine (k = 3, so several rounds a request) follow the
     target's warped distribution exactly, also when q is rounded to a wire dtype (the drafter
-    samples from the rounded q it sends): the joints of tokens 1-2, 3-4 and 5-6, and each of
-    tokens 3-6 alone (until stop 39 the first token only, which always comes from the first round:
-    a verifier taking q as uniform in rounds that start at token 3 or later failed this at p = 1e-244
-    in both cases, a mutation run)."""
+    samples from the rounded q it sends), and with both models in bfloat16 (the target's own
+    bfloat16 distribution: until stop 51 bfloat16 had greedy tests only): the joints of tokens 1-2,
+    3-4 and 5-6, and each of tokens 3-6 alone (until stop 39 the first token only, which always
+    comes from the first round: a verifier taking q as uniform in rounds that start at token 3 or
+    later failed this at p = 1e-244 in both float32 cases, a mutation run)."""
     v, length = 8, 6
-    target = tiny_model("llama", v, seed=5, initializer_range=0.5)
-    drafter = tiny_model("llama", v, seed=6, initializer_range=0.5)
+    target = tiny_model("llama", v, seed=5, initializer_range=0.5).to(dtype)
+    drafter = tiny_model("llama", v, seed=6, initializer_range=0.5).to(dtype)
     params = dict(temperature=1.3, top_k=6)
     engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter), q_dtype=q_dtype),
                                eos_ids=set())
