@@ -39,17 +39,24 @@ def start_ray(**kwargs) -> None:
     ray.init(**{"logging_level": "ERROR", "log_to_driver": False, **kwargs})
 
 
-def ensure_ray() -> bool:
-    """Connects to the Ray cluster this process is configured for, or starts a local one. Returns
-    whether it started one (no RAY_ADDRESS, no cluster of `ray start` on this machine): a cluster
-    nothing else will join."""
+def starts_ray() -> bool:
+    """Whether `ensure_ray` would start a local Ray (no RAY_ADDRESS, no cluster of `ray start` on
+    this machine): a cluster nothing else will join."""
     if ray.is_initialized():
         return False
     try:
         from ray._private.services import canonicalize_bootstrap_address  # ray.init's own lookup
-        fresh = canonicalize_bootstrap_address(None) is None
+        return canonicalize_bootstrap_address(None) is None
     except Exception:  # (a private helper: if it moved, assume a cluster that may grow)
-        fresh = False
+        return False
+
+
+def ensure_ray() -> bool:
+    """Connects to the Ray cluster this process is configured for, or starts a local one. Returns
+    whether it started one (`starts_ray`)."""
+    if ray.is_initialized():
+        return False
+    fresh = starts_ray()
     start_ray()
     return fresh
 

@@ -256,12 +256,12 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from specserve.cluster.pair import ensure_ray
+    from specserve.cluster.pair import ensure_ray, starts_ray
     from specserve.cluster.serve_app import build_app
-    fresh = ensure_ray()
-    taken = _port_taken(host, port) if fresh else None  # (a cluster joined may run Serve's proxy there already)
+    taken = _port_taken(host, port) if starts_ray() else None  # (a cluster joined may run Serve's proxy there)
     if taken:
         raise CLIError(f"cannot listen at {host}:{port}: {taken} (another server? pass --port)")
+    fresh = ensure_ray()
     have = ray.cluster_resources()
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
