@@ -164,6 +164,7 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     # (whether a prepared draft is found in time depends on the machine's load: with one prompt of 32
     # tokens a loaded CI machine found none once; hits are asserted in test_pipeline and test_distributed)
     assert gpu.main(["--dry-run", "--fanouts", "1,17", "--out", out]) == 2  # a bad fan-out: refused at once
+    assert gpu.main(["--dry-run", "--stages", "in_process,gpu", "--out", out]) == 2  # a bad stage too
 
 
 def test_auto_dtype_by_model(tmp_path):
