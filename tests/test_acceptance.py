@@ -39,8 +39,9 @@ def sample_first_tokens(p, q, n, seed):
     counts = np.zeros(len(p))
     kept = np.zeros(len(p))
     drafted = np.zeros(len(p))
-    for x in torch.multinomial(qt, n, replacement=True, generator=g).tolist():
-        n_acc, nxt = accept([x], qt[None], p2, g)
+    xs = torch.multinomial(qt, n, replacement=True, generator=g).tolist()
+    # one batched call of n sequences (the rule as the engine runs it), each drawing from g in turn
+    for x, (n_acc, nxt) in zip(xs, accept_batch([[x] for x in xs], [qt[None]] * n, [p2] * n, [g] * n)):
         first = x if n_acc == 1 else nxt
         counts[first] += 1
         drafted[x] += 1
