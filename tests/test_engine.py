@@ -114,12 +114,20 @@ def test_sampled_tokens_follow_target_distribution(q_dtype, dtype):
     target = tiny_model("llama", v, seed=5, initializer_range=0.5).to(dtype)
     drafter = tiny_model("llama", v, seed=6, initializer_range=0.5).to(dtype)
     params = dict(temperature=1.3, top_k=6)
-    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter), q_dtype=q_dtype),
-                               eos_ids=set())
+    # batched, 8 sequences a round (until stop 51 one at a time: in-process batches were checked for
+    # reproducibility only)
+    engine = SpeculativeEngine(ModelRunner(target, slots=8),
+                               DraftModelProposer(ModelRunner(drafter, slots=8), q_dtype=q_dtype),
+                               eos_ids=set(), max_waiting=2000)
     prompt = [1, 2]
     want = sequence_probs(target, prompt, SamplingParams(**params), length)
-    assert_follows([engine.generate(prompt, length, SamplingParams(seed=seed, **params), k=3).token_ids
-                    for seed in range(1500)], want)  # (nothing outside top_k, too)
+    engine.start()
+    try:
+        reqs = [engine.submit(prompt, length, SamplingParams(seed=seed, **params), k=3) for seed in range(1500)]
+        assert all(r.done.wait(300) for r in reqs)
+    finally:
+        engine.stop()
+    assert_follows([r.result().token_ids for r in reqs], want)  # (nothing outside top_k, too)
 
 
 def test_bad_requests_raise_value_error():
