@@ -538,10 +538,11 @@ class OpenAIIngress:
         except Exception as e:  # a bug: an error event, as any other failure (it broke the stream off)
             log.exception("a stream failed")
             error = APIError(500, f"the stream failed: {type(e).__name__}: {e}")
-            self._count_failure(error)
+            if not answered:  # (once answered, it is counted as finished only)
+                self._count_failure(error)
             yield sse_event(error.body())
         except BaseException as e:  # the client disconnected mid-stream
-            if not answered:  # (a client gone during the last chunks was answered: counted as finished)
+            if not answered:
                 self._count_failure(e)
             raise
         finally:

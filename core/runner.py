@@ -369,7 +369,7 @@ class ModelRunner:
         elif n:
             self.caches[slot].crop(-n)
 
-    @torch.inference_mode()  # (the cache's buffers are inference tensors once a pass has grown them)
+    @torch.inference_mode()  # (the cache's buffers are inference tensors)
     def move(self, src: int, dst: int) -> None:
         """Moves the sequence in slot `src` to the free slot `dst` (same numbers, new slot)."""
         if self.started[dst] or not self.started[src]:

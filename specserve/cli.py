@@ -205,7 +205,8 @@ def serve_settings(args) -> tuple[dict, str, int]:
     app_args, http = load_serve_config(args.config)
     host = args.host if args.host is not None else http.get("host", DEFAULT_HOST)
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
-    if args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation:
+    if (args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation
+            and args.k != 0):
         raise CLIError("--drafter is required with --target (or pass --no-speculation)")  # as `generate`
     if args.drafter is not None and args.target is None and "target" not in app_args:  # (it paired the demo
         raise CLIError("--drafter given without --target")                            # target, silently)
@@ -281,7 +282,9 @@ def cmd_serve(args) -> int:
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
-    auth = ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' if cfg.api_key else ""  # (the key itself: not in logs)
+    auth = "" if not cfg.api_key else ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' \
+        if os.environ.get("SPECSERVE_API_KEY") == cfg.api_key else " -H 'Authorization: Bearer <your API key>'"
+    # (the key itself is kept out of the banner, and so out of logs)
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "

@@ -203,6 +203,8 @@ def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default
     assert serve_settings(parse(["serve"])) == ({"api_key": "from-env"}, "0.0.0.0", 8000)
     monkeypatch.delenv("SPECSERVE_API_KEY")
     assert serve_settings(parse(["serve"])) == ({}, "0.0.0.0", 8000)
+    # the target alone with -k 0 (it starts no drafter since stop 51; it asked for a --drafter)
+    assert serve_settings(parse(["serve", "--target", "/t", "-k", "0"]))[0] == {"target": "/t", "k": 0}
     config.write_text("applications:\n  - {name: a, args: {}}\n  - {name: b, args: {}}\n")
     with pytest.raises(CLIError, match="has 2 applications"):
         serve_settings(parse(["serve", "--config", str(config)]))

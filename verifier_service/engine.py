@@ -304,6 +304,7 @@ class SpeculativeEngine:
         self.work = threading.Condition(self.lock)
         self.loop: threading.Thread | None = None
         self.stopping = False
+        self.stopped_why = "the engine has stopped"  # what submits are told once it is stopping
         self._admitting: list[Request] = []  # taken off `waiting` by the round being set up
 
     # ---------------------------------------------------------------- requests
@@ -333,9 +334,7 @@ class SpeculativeEngine:
             req.deadline = time.monotonic() + timeout_s
         with self.lock:
             if self.stopping:
-                raise RequestFailed("the engine has stopped")
-            if self.loop is not None and not self.loop.is_alive():  # (it would wait for ever)
-                raise RequestFailed("the engine loop has stopped")
+                raise RequestFailed(self.stopped_why)
             starting = [r for start in list(self._starting) for r in start[1]]  # (its Start's answer names it)
             if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running + starting):
                 raise ValueError(f"request id {req.id!r} is in use by a running request")
@@ -432,11 +431,13 @@ class SpeculativeEngine:
                         log.exception("a step failed")
                         self._fail_in_flight(e)
         finally:  # stopped, or the loop died (a BaseException, as SystemExit from a caller's callback): every
-            # request fails, none waits for ever (until stop 51 a dead loop left them, and later submits, hanging)
-            error = RequestFailed("the engine has stopped" if self.stopping else "the engine loop has stopped")
+            # request fails, none waits for ever, later submits included (until stop 51 a dead loop left them hanging)
             with self.step_lock:
                 with self.lock:
+                    if not self.stopping:
+                        self.stopping, self.stopped_why = True, "the engine loop has stopped"
                     waiting, self.waiting = list(self.waiting), deque()
+                error = RequestFailed(self.stopped_why)
                 self._fail(waiting, error)
                 self._fail_in_flight(error)
 
