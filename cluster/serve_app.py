@@ -270,6 +270,7 @@ class PairReplica:
 
 
 HEALTH_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413): a whole 128k-token context as JSON takes ~1 MiB
 
 
 def sse_event(obj: dict) -> str:
@@ -409,8 +410,19 @@ class OpenAIIngress:
 
     @staticmethod
     async def _json(request: Request):
+        """The body's JSON, read up to MAX_BODY_BYTES (413 past it) and parsed off the event loop: this
+        one loop serves every stream of the ingress, and a body of megabytes held them all up."""
+        too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise too_big
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_big
         try:
-            return parse_json(await request.body())
+            return await asyncio.to_thread(parse_json, bytes(raw)) if len(raw) > 1 << 16 else parse_json(bytes(raw))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (RecursionError: nested too deep)
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
@@ -418,8 +430,9 @@ class OpenAIIngress:
         if req.model != self.cfg.model:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
-        try:
-            prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat)
+        try:  # (a long prompt off the event loop, as its body)
+            prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat) if len(prompt) < 1 << 14 else \
+                await asyncio.to_thread(prompt_token_ids, self.tokenizer, prompt, chat)
         except Exception as e:  # whatever the tokenizer refuses is the request's fault, not the server's
             raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         if not prompt_ids:

@@ -235,6 +235,16 @@ def test_models_health_and_bad_json(server):
     # nested past Python's recursion limit: RecursionError, not ValueError (a 500 until stop 47)
     r = httpx.post(server + "/v1/completions", content=b'{"stop": ' + b"[" * 100_000 + b"}")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # a body past 16 MiB is refused, with or without its length up front (stop 51: read whole, parsed on
+    # the one event loop every stream of the ingress shares)
+    big = b'{"model": "m", "prompt": "' + b"x" * (17 << 20) + b'"}'
+    for content in (big, iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])):
+        r = httpx.post(server + "/v1/completions", content=content, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    # a long prompt (1 MB, tokenized off the loop) is the context's 400, as a short one
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "word " * 200_000, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 400 and "exceeds the context" in r.json()["error"]["message"]
 
 
 def test_16_concurrent_streams_equal_solo(server, client):
