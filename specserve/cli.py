@@ -110,6 +110,10 @@ def cmd_generate(args) -> int:
         raise CLIError("--method ngram runs in process: drop --distributed")
     if args.threads < 0:
         raise CLIError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+    if args.distributed and args.threads:  # (it set the driver's threads, which run no model: ignored until stop 51)
+        raise CLIError("--threads is for in-process generation: --distributed actors run one torch thread each")
+    if args.no_pipeline and not args.distributed:
+        raise CLIError("--no-pipeline applies to --distributed only (in process, drafting is never pipelined)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed:
@@ -369,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive: the policy picks k <= -k each round (0 when it does not pay); fixed: always k")
     g.add_argument("--distributed", action="store_true", help="drafter and verifier as Ray actors over gRPC")
     g.add_argument("--no-pipeline", action="store_true", help="with --distributed: draft only when asked")
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads in process (0 = torch default); --distributed actors run one each")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     add_device_args(g, default="auto")
     g.set_defaults(func=cmd_generate)

@@ -158,7 +158,9 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             # a drafter alone was paired with the demo target; a port out of range reached Serve
             (["generate", "--seed", "-1", "--prompt", "x"], "seed must be an integer in [0, 2**64)"),
             (["serve", "--drafter", tiny_pair_dir["drafter"]], "--drafter given without --target"),
-            (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]")):
+            (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]"),
+            (["generate", "--distributed", "--threads", "2", "--prompt", "x"], "--threads is for in-process"),
+            (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only")):
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
