@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()
     report = bench(args)
     report["plot"] = Path(args.out).name + ".png"  # named in the Markdown
-    md = markdown(report, "specserve bench ngram " + " ".join(sys.argv[1:] if argv is None else argv))
+    report["command"] = "specserve bench ngram " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = markdown(report, report["command"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
     Path(args.out + ".md").write_text(md)

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     report = bench(args)
-    write_results(args.out, report, markdown(report, ("specserve bench overhead " + shlex.join(argv)).strip()))
+    report["command"] = ("specserve bench overhead " + shlex.join(argv)).strip()
+    write_results(args.out, report, markdown(report, report["command"]))
     return 0
 
 
