@@ -201,9 +201,9 @@ class ModelRunner:
                                vocab=vocab)
                      if fast and fast_llama_supports(model) else None)
         self.vocab = vocab  # as given (a drafter server builds its own runner of the model with it)
-        # the HF path: -inf outside the draft vocabulary, added to its logits when asked
+        # -inf outside the draft vocabulary (the HF path adds it to its logits when asked; `in_vocab`)
         self._outside = None
-        if vocab is not None and self.fast is None:
+        if vocab is not None:
             self._outside = torch.full((self.vocab_size,), float("-inf"), device=self.device)
             self._outside[torch.tensor(sorted(vocab), dtype=torch.long, device=self.device)] = 0.0
         if compile and self.fast is not None:
@@ -329,7 +329,11 @@ class ModelRunner:
 
     def _in_vocab(self, logits: torch.Tensor, vocab: bool) -> torch.Tensor:
         """The HF path's logits, with vocab every token outside the draft vocabulary's at -inf."""
-        return logits + self._outside if vocab and self._outside is not None else logits
+        return logits + self._outside if vocab and self._outside is not None and self.fast is None else logits
+
+    def in_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] with every token outside the draft vocabulary at -inf (unchanged without one)."""
+        return logits + self._outside if self._outside is not None else logits
 
     def warmup(self, widths: tuple[int, ...] = (1, 5), branches: bool = False) -> float:
         """Compiles (when compiled) and warms the forward for these widths (and branch rows)

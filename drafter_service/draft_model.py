@@ -261,8 +261,10 @@ class DraftModelProposer(Proposer):
             sampled = [i for i in live if not seqs[i].params.greedy]
             parts = []  # (tokens [r], info [r, 5]) per group of rows, in the order of `order` below
             if greedy:  # q only as the drafter's confidence, for pipelining
-                q = torch.softmax(rows_logits if len(greedy) == len(seqs) else
-                                  rows_logits.index_select(0, to_device(greedy, device)), -1)
+                # (in_vocab: a pass with sampled rows scores greedy rows on the whole head too, and their drafts
+                # and confidences then left the draft vocabulary: a prepared draft was not what drafting alone gives)
+                q = torch.softmax(self.runner.in_vocab(rows_logits if len(greedy) == len(seqs) else
+                                                       rows_logits.index_select(0, to_device(greedy, device))), -1)
                 parts.append(_step_info(q, q.argmax(-1)))
             for i in sampled:
                 q = warp(rows_logits[i], seqs[i].params)

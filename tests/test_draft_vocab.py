@@ -95,6 +95,8 @@ def test_sampled_drafts_and_q_are_unchanged_by_a_draft_vocabulary():
             which = ["sampled"] if step % 2 == 0 else ["sampled", "greedy"]
             drafts = p.propose([ProposeItem(s, new[s], 3) for s in which])
             out.append((drafts[0].tokens, drafts[0].probs))
+            if vocab is not None and len(drafts) > 1:  # greedy beside sampled rows: still the draft vocabulary's
+                assert set(drafts[1].tokens) <= set(ids), drafts[1].tokens  # (not until stop 51)
             new = {"sampled": drafts[0].tokens[:1], "greedy": drafts[1].tokens[:1] if len(drafts) > 1 else []}
         runs[name] = out
     for (ta, qa), (tb, qb) in zip(runs["full"], runs["vocab"]):
