@@ -189,7 +189,8 @@ class DraftModelProposer(Proposer):
             fed = [i for i, t in enumerate(todo) if t]
             updates, todo = [updates[i] for i in fed], [todo[i] for i in fed]
         # Sampled requests: one token per forward, so a cache holds the same numbers whichever path
-        # led to it (on demand or pipelined): q, and so sampled output, does not depend on timing.
+        # led to it (on demand or pipelined), up to the rounding of a pass's row count where products
+        # depend on it (see specserve.drafter.pipeline): q, and so sampled output, does not depend on timing.
         # Greedy output never depends on the drafter's numbers, so greedy sequences feed all at
         # once; so do longer catch-ups (after rounds without drafting), which no pipelined path mirrors.
         logits: list[torch.Tensor | None] = [None] * len(updates)

@@ -46,7 +46,10 @@ anything else is a miss. A k = 0 call (only catching up) is never served from a 
 Output is unchanged by this: a sampled draft's random stream is derived from the committed
 length (see specserve.core.sampling.request_generator), and the drafter feeds one token per pass, so a prepared
 draft (on the sequence's slot or on a branch) equals the one that would have been drafted on
-demand.
+demand, bit for bit where a position's numbers do not depend on the pass's rows (the packed
+bfloat16 CPU path); elsewhere (a float32 drafter's GEMMs on a CPU, cuBLAS on a GPU) up to float
+rounding, which can, rarely, flip a drawn token. The verifier gets the q each draft was drawn
+from, so the sampled distribution stays exact either way (core.runner.resolve_dtype).
 """
 
 from __future__ import annotations
