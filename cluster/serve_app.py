@@ -273,6 +273,20 @@ HEALTH_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413): a whole 128k-token context as JSON takes ~1 MiB
 
 
+def health_answer(states: list) -> tuple[int, dict]:
+    """/health's answer from each pair's `health()` (or the exception its call raised): 503 only
+    when no pair serves. Until stop 51 one pair down made it 503 for the whole service, though the
+    others served (Serve routes around a replica whose health check fails, and restarts it)."""
+    down = [s["reason"] if isinstance(s, dict) else f"a pair did not answer: {type(s).__name__}"
+            for s in states if not isinstance(s, dict) or s["status"] == "dead"]
+    if len(down) == len(states):
+        return 503, {"status": "unavailable", "reason": "; ".join(down) or "no pair is running"}
+    reasons = sorted({s["reason"] for s in states if isinstance(s, dict) and s["status"] == "degraded"})
+    if down:
+        reasons.insert(0, f"{len(down)} of {len(states)} pairs down ({'; '.join(down)})")
+    return 200, {"status": "degraded", "reason": "; ".join(reasons)} if reasons else {"status": "ok"}
+
+
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -323,21 +337,17 @@ class OpenAIIngress:
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self):
-        """200 ok; 200 degraded (with the reason) while a pair serves target-only; 503 when a
-        pair's engine loop is dead or a pair does not answer. Open to probes (no API key)."""
+        """200 ok; 200 degraded (with the reasons) while a pair serves target-only, or some pairs
+        are down and others serve; 503 when none serves, or the pairs do not answer in time. Open
+        to probes (no API key)."""
         try:
-            states = await asyncio.wait_for(self.pair.broadcast("health").results_async(), timeout=HEALTH_TIMEOUT_S)
+            states = await asyncio.wait_for(self.pair.broadcast("health").results_async(return_exceptions=True),
+                                            timeout=HEALTH_TIMEOUT_S)
         except Exception as e:
             return JSONResponse({"status": "unavailable", "reason": f"a pair did not answer: {type(e).__name__}"},
                                 status_code=503)
-        dead = [s["reason"] for s in states if s["status"] == "dead"]
-        if dead or not states:
-            return JSONResponse({"status": "unavailable", "reason": "; ".join(dead) or "no pair is running"},
-                                status_code=503)
-        degraded = sorted({s["reason"] for s in states if s["status"] == "degraded"})
-        if degraded:
-            return {"status": "degraded", "reason": "; ".join(degraded)}
-        return {"status": "ok"}
+        status, body = health_answer(states)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models(self, request: Request):

@@ -167,6 +167,7 @@ def test_a_cancel_while_its_request_is_being_admitted_is_not_lost():
     assert len(req.result().token_ids) < 20 and len(engine.free_slots) == engine.max_num_seqs
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the SystemExit, meant)
 def test_a_dead_loop_fails_its_requests_and_refuses_new_ones():
     """A loop that dies (a BaseException from a caller's callback, which no step catches) fails the
     requests it held, and later submits fail at once; until stop 51 they waited for ever, and a

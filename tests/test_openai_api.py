@@ -281,3 +281,18 @@ def test_a_method_with_speculation_off_asks_for_no_proposer():
     assert not off.speculative and off.method is None
     on = parse_completion({"model": "m", "prompt": "p", "speculative": {"method": "ngram"}}, "m")
     assert on.speculative and on.method == "ngram"
+
+
+def test_health_is_503_only_when_no_pair_serves():
+    """One pair down among several is "degraded", not a 503 for the whole service (until stop 51:
+    the other pairs served, and Serve routes around the failing replica while it restarts it)."""
+    from specserve.cluster.serve_app import health_answer
+    ok, dead = {"status": "ok"}, {"status": "dead", "reason": "the engine loop has stopped"}
+    slow = {"status": "degraded", "reason": "the drafter is unavailable"}
+    assert health_answer([ok, ok]) == (200, {"status": "ok"})
+    assert health_answer([ok, slow]) == (200, {"status": "degraded", "reason": "the drafter is unavailable"})
+    status, body = health_answer([ok, dead, TimeoutError()])
+    assert status == 200 and body["status"] == "degraded" and body["reason"].startswith("2 of 3 pairs down")
+    assert "the engine loop has stopped" in body["reason"] and "TimeoutError" in body["reason"]
+    assert health_answer([dead, RuntimeError()])[0] == 503
+    assert health_answer([]) == (503, {"status": "unavailable", "reason": "no pair is running"})
