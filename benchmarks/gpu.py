@@ -263,22 +263,25 @@ def main(argv=None) -> int:
     rows = [dict(dtype=dt) for dt in dtypes] + [dict(dtype="bfloat16", draft_vocab="off")]
     if (args.compile_row or not args.dry_run) and not args.no_compile_row:
         rows.append(dict(dtype="bfloat16", compile=True))
-    steps = [("in_process", lambda row=row: report["in_process"].append(
-                 in_process(device, prompts=prompts, max_tokens=max_tokens, k=args.k, **row))) for row in rows]
-    steps += [("distributed", lambda: report.__setitem__(
-                  "distributed", distributed(device, report["distributed_dtype"], prompts, max_tokens, args.k))),
-              ("fanout", lambda: report.__setitem__(
-                  "fanout_sweep", fanout_sweep(device, report["distributed_dtype"], prompts, max_tokens, args.k, fanouts)))]
     command = "specserve bench gpu " + " ".join(argv)
-    for stage, step in steps:  # each part written as it ends: a run cut off keeps what it measured
+
+    def run(stage: str, step) -> None:  # each part written as it ends: a run cut off keeps what it measured
         if stage not in stages:
-            continue
+            return
         try:
             step()
         except Exception as e:  # one part failing (a kernel, an actor) leaves the others to run
             report["errors"].append(f"{stage}: {type(e).__name__}: {str(e)[:300]}")
         report["seconds"] = time.perf_counter() - t0
         write_results(args.out, report, markdown(report, command))
+
+    dtype = report["distributed_dtype"]
+    for row in rows:
+        run("in_process", lambda: report["in_process"].append(
+            in_process(device, prompts=prompts, max_tokens=max_tokens, k=args.k, **row)))
+    run("distributed", lambda: report.update(distributed=distributed(device, dtype, prompts, max_tokens, args.k)))
+    run("fanout", lambda: report.update(
+        fanout_sweep=fanout_sweep(device, dtype, prompts, max_tokens, args.k, fanouts)))
     parted = any(r["greedy_parted"] for r in report["in_process"])
     return 1 if report["errors"] or parted else 0
 

@@ -329,7 +329,7 @@ class ModelRunner:
 
     def _in_vocab(self, logits: torch.Tensor, vocab: bool) -> torch.Tensor:
         """The HF path's logits, with vocab every token outside the draft vocabulary's at -inf."""
-        return logits + self._outside if vocab and self._outside is not None and self.fast is None else logits
+        return self.in_vocab(logits) if vocab and self.fast is None else logits
 
     def in_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] with every token outside the draft vocabulary at -inf (unchanged without one)."""
