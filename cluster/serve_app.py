@@ -148,7 +148,8 @@ class PairReplica:
             max_tokens = self.engine.max_length - len(request["prompt_ids"])
             if max_tokens < 1:
                 yield {"error": {"status": 400, "message": f"the prompt ({len(request['prompt_ids'])} tokens) "
-                                 f"fills the context of {self.engine.max_length} tokens"}}
+                                 f"fills the context of {self.engine.max_length} tokens", "param": "prompt",
+                                 "code": "context_length_exceeded"}}
                 return
         try:
             self.engine.submit(
@@ -156,8 +157,9 @@ class PairReplica:
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),
                 on_tokens=None if coalesce and watch is None else on_tokens,
                 on_finish=lambda r: loop.call_soon_threadsafe(queue.put_nowait, ("done", r)))
-        except ValueError as e:
-            yield {"error": {"status": 400, "message": str(e)}}
+        except ValueError as e:  # (InvalidRequest: with the field at fault)
+            yield {"error": {"status": 400, "message": str(e), "param": getattr(e, "param", None),
+                             "code": getattr(e, "code", None)}}
             return
         except (Overloaded, RequestFailed) as e:  # (RequestFailed: the engine stopped, or its loop died)
             yield {"error": {"status": 503, "message": str(e)}}
@@ -468,7 +470,7 @@ class OpenAIIngress:
             stream.cancel()    # streamed, the whole generation): its slots are freed, not kept to its end
             raise
         if "error" in first:
-            self._raise_upstream(first["error"])
+            self._raise_upstream(first["error"], chat)
         if req.stream:
             return StreamingResponse(self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer),
                                      media_type="text/event-stream")
@@ -499,10 +501,14 @@ class OpenAIIngress:
         except Exception as e:  # the pair's replica died or went away mid-request (Ray's errors)
             raise _pair_failed(e) from None
 
-    def _raise_upstream(self, error: dict):
+    @staticmethod
+    def _raise_upstream(error: dict, chat: bool):
+        """The pair's refusal as the API's error: its field at fault named as the request named it
+        (a chat request's prompt is its messages)."""
         headers = {"Retry-After": "1"} if error["status"] == 503 else None
-        raise APIError(error["status"], error["message"], param="prompt" if error["status"] == 400 else None,
-                       headers=headers)
+        param = error.get("param")
+        raise APIError(error["status"], error["message"], param="messages" if chat and param == "prompt" else param,
+                       code=error.get("code"), headers=headers)
 
     def _finish(self, cid, req, prompt_ids, detok, final, chat, timer):
         """The response (or the stream's last chunk) from the request's text, and its metrics. Its

@@ -245,6 +245,13 @@ def test_models_health_and_bad_json(server):
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "word " * 200_000, "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 400 and "exceeds the context" in r.json()["error"]["message"]
+    # the pair's refusal names the field at fault as the request named it (until stop 52 every 400 from
+    # the pair said "prompt", and no code): a chat request's prompt is its messages
+    assert {k: r.json()["error"][k] for k in ("param", "code")} == {"param": "prompt", "code": "context_length_exceeded"}
+    r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 600,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == \
+        ("messages", "context_length_exceeded")
 
 
 def test_16_concurrent_streams_equal_solo(server, client):

@@ -160,19 +160,27 @@ def eos_token_ids(model) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
+class InvalidRequest(ValueError):
+    """A request that cannot run, with the request field at fault (an API's `param`) and a code."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length: int, vocab_size: int) -> None:
-    """Raises ValueError with a user-facing message for a request that cannot run."""
+    """Raises InvalidRequest with a user-facing message for a request that cannot run."""
     if not prompt_ids:
-        raise ValueError("the prompt is empty")
+        raise InvalidRequest("the prompt is empty", "prompt")
     if any(not (0 <= t < vocab_size) for t in prompt_ids):
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_tokens")
     if not isinstance(k, int) or not 0 <= k <= MAX_K:
-        raise ValueError(f"k must be an integer in [0, {MAX_K}], got {k!r}")
+        raise InvalidRequest(f"k must be an integer in [0, {MAX_K}], got {k!r}", "speculative.k")
     if len(prompt_ids) + max_new_tokens > max_length:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the context of {max_length} tokens")
+        raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the "
+                             f"context of {max_length} tokens", "prompt", "context_length_exceeded")
 
 
 def truncate_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -319,10 +327,10 @@ class SpeculativeEngine:
         seeded = not sampling.greedy and sampling.seed is not None
         method = self.default_method if method is None else method
         if method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
+            raise InvalidRequest(f"speculative method must be one of {METHODS}, got {method!r}", "speculative.method")
         if method != "none" and k and method not in self.proposers:  # (k = 0: no proposer runs)
-            raise ValueError(f"speculative method {method!r} is not available here (available: "
-                             f"{sorted(self.proposers) + ['none']})")
+            raise InvalidRequest(f"speculative method {method!r} is not available here (available: "
+                                 f"{sorted(self.proposers) + ['none']})", "speculative.method")
         k = k if method != "none" else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         params = sampling.with_seed()
@@ -337,7 +345,7 @@ class SpeculativeEngine:
                 raise RequestFailed(self.stopped_why)
             starting = [r for start in list(self._starting) for r in start[1]]  # (its Start's answer names it)
             if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running + starting):
-                raise ValueError(f"request id {req.id!r} is in use by a running request")
+                raise InvalidRequest(f"request id {req.id!r} is in use by a running request", "id")
             if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
                                  f"requests (queue bound {self.max_waiting}); retry later")
