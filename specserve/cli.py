@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from specserve.config import DEFAULT_MODEL_DIR, SpecServeConfig
+from specserve.config import APP_IMPORT_PATH, DEFAULT_MODEL_DIR, SpecServeConfig
 from specserve.core.proposer import MAX_K
 
 
@@ -191,10 +191,28 @@ def load_serve_config(path: str | None) -> tuple[dict, dict]:
         http = doc.get("http_options") or {}
         if not isinstance(http, dict):
             raise CLIError(f"config {path!r}: http_options must be a mapping")
+        unused = unused_serve_fields(doc)
+        if unused:  # (until stop 52 dropped silently)
+            print(f"warning: config {path!r}: `specserve serve` takes its app's args and http_options' host and "
+                  f"port only; it ignores {', '.join(unused)} (`serve run {path}` applies them)",
+                  file=sys.stderr, flush=True)
         doc = apps[0].get("args") or {}
     if not isinstance(doc, dict):
         raise CLIError(f"config {path!r} must be a mapping of app args or a Serve config")
     return doc, http
+
+
+def unused_serve_fields(doc: dict) -> list[str]:
+    """The fields of a Serve config of one application that `specserve serve` would not apply: it
+    runs the app's args at route / under its own name, with http_options' host and port (a name,
+    proxy_location, and this app's own import path and route / change nothing there)."""
+    app = (doc.get("applications") or [{}])[0]
+    unused = [key for key in doc if key not in ("applications", "http_options", "proxy_location")]
+    unused += [f"http_options.{key}" for key in (doc.get("http_options") or {}) if key not in ("host", "port")]
+    unused += [key for key in app if key not in ("name", "args", "route_prefix", "import_path")]
+    unused += [f"{key} ({app[key]})" for key, ours in (("route_prefix", "/"), ("import_path", APP_IMPORT_PATH))
+               if app.get(key, ours) != ours]
+    return unused
 
 
 def load_app_args(path: str | None) -> dict:

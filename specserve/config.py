@@ -14,6 +14,7 @@ from specserve.core.draft_vocab import DraftVocabError, check_setting
 from specserve.core.proposer import MAX_K
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+APP_IMPORT_PATH = "specserve.cluster.serve_app:build_app"  # the app's builder, as Serve configs name it
 DEFAULT_MODEL_DIR = Path(os.environ.get("SPECSERVE_MODEL_DIR", REPO_ROOT / "models" / "demo"))
 PIPELINE_POLICIES = ("all-accepted", "most-likely")  # the first is the default: docs/benchmarks/distributed.md
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

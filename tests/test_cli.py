@@ -187,11 +187,12 @@ def test_bad_invocations_found_in_stop_49_are_messages():
     held.close()
 
 
-def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default(tmp_path, monkeypatch):
+def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default(tmp_path, monkeypatch, capsys):
     """Until stop 49 `serve --config` ignored the file's http_options (it listened on 8000 whatever
     the file said) and, with $SPECSERVE_API_KEY set, replaced the file's api_key with the
     variable's; a file of several applications served its first silently."""
     from specserve.cli import CLIError, build_parser, serve_settings
+    from specserve.config import REPO_ROOT
     config = tmp_path / "serve.yaml"
     config.write_text("http_options: {host: 127.0.0.1, port: 8123}\n"
                       "applications:\n  - name: specserve\n    args: {k: 2, api_key: from-file}\n")
@@ -207,6 +208,17 @@ def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default
     assert serve_settings(parse(["serve"])) == ({}, "0.0.0.0", 8000)
     # the target alone with -k 0 (it starts no drafter since stop 51; it asked for a --drafter)
     assert serve_settings(parse(["serve", "--target", "/t", "-k", "0"]))[0] == {"target": "/t", "k": 0}
+    # what `serve run` would apply and `specserve serve` does not is named (stop 52; ignored silently before)
+    capsys.readouterr()
+    serve_settings(parse(["serve", "--config", str(REPO_ROOT / "deploy" / "serve-config.yaml")]))
+    assert capsys.readouterr().err == ""  # (the image's own config: nothing in it is lost)
+    config.write_text("http_options: {port: 8123, request_timeout_s: 5}\nlogging_config: {encoding: JSON}\n"
+                      "applications:\n  - {name: a, route_prefix: /v2, args: {k: 2},\n"
+                      "     deployments: [{name: OpenAIIngress, num_replicas: 2}]}\n")
+    assert serve_settings(parse(["serve", "--config", str(config)]))[0] == {"k": 2}
+    warning = capsys.readouterr().err
+    assert all(field in warning for field in ("logging_config", "http_options.request_timeout_s", "deployments",
+                                              "route_prefix (/v2)")), warning
     config.write_text("applications:\n  - {name: a, args: {}}\n  - {name: b, args: {}}\n")
     with pytest.raises(CLIError, match="has 2 applications"):
         serve_settings(parse(["serve", "--config", str(config)]))
