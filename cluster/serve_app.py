@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -121,8 +122,6 @@ class PairReplica:
         that completes a stop string is the request's last (finish_reason "stop"), so its final
         message still brings its stats, and they count no round past the stop. The ingress cuts
         the text at the same place."""
-        import time
-
         from specserve.cluster.openai_api import Detokenizer
         from specserve.core.sampling import SamplingParams
         from specserve.verifier.engine import Overloaded, RequestFailed, RequestTimeout
@@ -289,6 +288,25 @@ def health_answer(states: list) -> tuple[int, dict]:
     return 200, {"status": "degraded", "reason": "; ".join(reasons)} if reasons else {"status": "ok"}
 
 
+async def each_pair(handle, method: str, timeout_s: float) -> list:
+    """Every pair replica's answer to `method`: its result, or the exception it raised, or a
+    TimeoutError where it did not answer within timeout_s. One replica's stall costs only its own
+    answer: the broadcast's own timeout is for the whole set, and until stop 52 one stalled pair
+    took /health to 503 and zeroed every pair's gauges in /metrics. (The per-replica results are
+    Ray Serve 2.60's private API; without it, the whole set's timeout as before.)"""
+    response = handle.broadcast(method)
+    deadline = time.monotonic() + timeout_s
+    replicas = getattr(response, "_fetch_replica_results_async", None)
+    if replicas is None:
+        return await response.results_async(timeout_s=timeout_s, return_exceptions=True)
+    replicas = await asyncio.wait_for(replicas(), timeout_s)
+
+    async def answer(replica):
+        return await asyncio.wait_for(replica.get_async(), max(deadline - time.monotonic(), 0.0))
+
+    return list(await asyncio.gather(*map(answer, replicas), return_exceptions=True))
+
+
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -343,8 +361,7 @@ class OpenAIIngress:
         are down and others serve; 503 when none serves, or the pairs do not answer in time. Open
         to probes (no API key)."""
         try:
-            states = await asyncio.wait_for(self.pair.broadcast("health").results_async(return_exceptions=True),
-                                            timeout=HEALTH_TIMEOUT_S)
+            states = await each_pair(self.pair, "health", HEALTH_TIMEOUT_S)
         except Exception as e:
             return JSONResponse({"status": "unavailable", "reason": f"a pair did not answer: {type(e).__name__}"},
                                 status_code=503)
@@ -366,9 +383,9 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self):
-        try:  # a pair that failed is left out of the sums (specserve_pairs_reporting says how many are in)
-            loads = await self.pair.broadcast("load").results_async(timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
-        except Exception:  # no pair up (starting, restarting), or one too slow: the ingress's own series still answer
+        try:  # a pair that failed or was slow is left out of the sums (specserve_pairs_reporting says how many are in)
+            loads = await each_pair(self.pair, "load", HEALTH_TIMEOUT_S)
+        except Exception:  # no pair up (starting, restarting): the ingress's own series still answer
             loads = []
         loads = [x for x in loads if isinstance(x, dict)]
         return PlainTextResponse(self.metrics.render(loads), media_type="text/plain; version=0.0.4")

@@ -145,6 +145,31 @@ def test_a_hung_drafter_of_an_idle_pair_is_restarted_through_health(base, tiny_p
         serve.delete("idle-hang")
 
 
+def test_one_stalled_pair_leaves_health_and_metrics_to_the_others(base, tiny_pair_dir):
+    """Two pairs, one stopped (SIGSTOP): /health answers 200 degraded, naming the pair that did not
+    answer, and /metrics sums the pair that did. Until stop 52 the broadcast's timeout was for all
+    pairs at once: one stalled pair made /health 503 (a readiness probe took the whole service out)
+    and zeroed every pair's gauges."""
+    from ray import serve
+    deploy("two-pairs", tiny_pair_dir, k=0, num_pairs=2)
+    url = f"{base}/two-pairs"
+    pair = serve.get_deployment_handle("PairReplica", "two-pairs")
+    try:
+        pids = {info["replica_pid"] for info in pair.broadcast("drafter_info").results(timeout_s=60)}
+        assert len(pids) == 2 and httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+        os.kill(min(pids), signal.SIGSTOP)
+        try:
+            health = httpx.get(url + "/health", timeout=30)
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            os.kill(min(pids), signal.SIGCONT)
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert "1 of 2 pairs down (a pair did not answer: TimeoutError)" in health.json()["reason"]
+        assert "\nspecserve_pairs_reporting 1.0\n" in metrics
+    finally:
+        serve.delete("two-pairs")
+
+
 def test_overload_is_a_prompt_503_and_health_metrics_still_answer(base, tiny_pair_dir):
     from ray import serve
     deploy("tight", tiny_pair_dir, max_num_seqs=1, max_waiting=0)
