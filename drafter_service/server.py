@@ -170,9 +170,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
     def Start(self, request, context):
-        return self._handle(context, lambda: self._start(request))
+        return self._handle(context, lambda: self._start(request, context))
 
-    def _start(self, request):
+    def _start(self, request, context=None):
         items = []
         for item in request.items:  # validate everything before touching state
             if not item.seq_id:
@@ -185,6 +185,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                    f"drafter's context of {self.max_length}")
             items.append((item.seq_id, prompt, sampling_from_proto(item.sampling)))
         with self._locked():  # (a release of the same id sent before this Start is applied first)
+            if context is not None and not context.is_active():  # the caller gave up waiting for the lock: its
+                # client counts these sequences as not started, and the Release it sends them on its next
+                # connection may have come already (applied above, to nothing): started now, they would hold
+                # their slots for the TTL (until stop 52)
+                raise RequestError(grpc.StatusCode.CANCELLED, "the caller gave up on this Start")
             self._reclaim_idle()  # (first: an id past its TTL is free again)
             ids = [seq_id for seq_id, _, _ in items]
             for seq_id in ids:

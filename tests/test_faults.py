@@ -332,9 +332,10 @@ def test_stopping_the_engine_fails_its_requests_and_refuses_new_ones(models):
 
 
 def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(models):
-    """The drafter, busy past a Start's deadline, starts the sequences all the same once it gets
-    to them. The client had no note of them, so they held the drafter's slots for its TTL (600 s)
-    and could refuse the restarts after the reconnect; they are released once it is back now."""
+    """The drafter, busy past a Start's deadline, gets to the Start once the client has given up
+    on it, reconnected and sent the sequences' Release (which came first, to nothing). Until stop
+    50 the client kept no note of them and sent no Release; until stop 52 the late Start started
+    them all the same, and they held the drafter's slots for its TTL (600 s), refusing the restarts."""
     from specserve.verifier.client import DrafterClient, DrafterUnavailable, RemoteProposer
     _, drafter = models
     server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, max_sequences=2)
@@ -346,10 +347,11 @@ def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(m
             t0 = time.monotonic()  # a verifier connecting meanwhile gets its Info at once (it took the lock: a
             DrafterClient(f"127.0.0.1:{port}").close()  # long job held it, and a hang check would take it for hung)
             assert time.monotonic() - t0 < 2.0
-        assert eventually(lambda: servicer.live_sequences == 2)  # started late, on the connection given up
-        proposer.mark_failed(DrafterUnavailable("missed"))
-        assert eventually(proposer.recovered, within_s=10)
-        assert eventually(lambda: servicer.live_sequences == 0)  # released: the drafter has room again
+            proposer.mark_failed(DrafterUnavailable("missed"))
+            assert eventually(proposer.recovered, within_s=10)
+            assert eventually(lambda: len(servicer.to_release) == 2)  # its Release of a and b came, the lock still held
+        time.sleep(1.0)  # the late Start's handler takes the lock now
+        assert servicer.live_sequences == 0  # the drafter has room for the restarts
         proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
     finally:
         server.stop(0)
