@@ -58,6 +58,16 @@ def eventually(check, within_s: float = 5.0) -> bool:
 # exact distributions and their tests, for the sampling checks of several paths
 
 
+def top2_gap(model, tokens) -> tuple[float, float]:
+    """(the gap between a model's two largest logits after `tokens`, the largest), in float32 from
+    its dtype: where speculative and plain greedy decoding part, the tests allow only a near-tie.
+    model: a Hugging Face causal LM or a ModelRunner (its model)."""
+    model = model if isinstance(model, torch.nn.Module) else model.model
+    with torch.no_grad():
+        top = torch.topk(model(torch.tensor([tokens])).logits[0, -1].float(), 2).values
+    return float(top[0] - top[1]), float(top[0])
+
+
 def sequence_probs(target, prompt, params, n):
     """p(t1, ..., tn) of the target under the warped distribution, exactly: an array of shape (v,) * n."""
     with torch.no_grad():

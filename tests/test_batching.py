@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-import torch
+from conftest import top2_gap
 
 from specserve.training.tiny import tiny_model
 from specserve.drafter.draft_model import DraftModelProposer
@@ -26,17 +26,11 @@ def solo_plain(target, prompt, n):
     return SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate(prompt, n, SamplingParams(), 0)
 
 
-def top2_gap(model, tokens):
-    with torch.no_grad():
-        top = torch.topk(model(torch.tensor([tokens])).logits[0, -1], 2).values
-    return float(top[0] - top[1])
-
-
 def assert_same_or_near_tie(model, prompt, got, want, near_ties):
     if got == want:
         return
     i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    gap = top2_gap(model, prompt + want[:i])
+    gap, _ = top2_gap(model, prompt + want[:i])
     assert gap < NEAR_TIE, f"token {i} differs and the top-2 logit gap is {gap:.3g}: not a near-tie"
     near_ties.append((prompt, i, gap))
 

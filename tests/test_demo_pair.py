@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import top2_gap
 
 from specserve.config import DEFAULT_MODEL_DIR
 
@@ -91,9 +92,7 @@ def test_greedy_speculation_equals_plain_target(engines):
                  min(len(got.token_ids), len(want.token_ids)))
         if hf is None:
             hf = AutoModelForCausalLM.from_pretrained(str(TARGET), local_files_only=True).float().eval()
-        with torch.no_grad():
-            top = torch.topk(hf(torch.tensor([p + want.token_ids[:j]])).logits[0, -1].float(), 2).values
-        gap = float(top[0] - top[1])
+        gap, _ = top2_gap(hf, p + want.token_ids[:j])
         assert gap < NEAR_TIE, (f"prompt {i}: speculative output differs from plain target output at token {j} "
                                 f"({got.token_ids[j:j + 1]} vs {want.token_ids[j:j + 1]}), top-2 logit gap {gap:.3g}")
     if (MODELS / "split.json").exists():  # a trained pair, on held-out code: the drafter must be of use

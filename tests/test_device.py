@@ -5,6 +5,7 @@ cannot happen), and greedy speculation stays exact in bfloat16 and float16."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import top2_gap
 
 from specserve.config import DEFAULT_MODEL_DIR
 from specserve.core.fast_llama import FastLlama
@@ -98,13 +99,6 @@ def test_device_and_dtype_resolution():
     runner = ModelRunner.from_pretrained(str(DEFAULT_MODEL_DIR / "drafter"), dtype="bfloat16", device="cpu")
     assert runner.device == torch.device("cpu") and runner.model.dtype == torch.bfloat16
     assert runner.fast.cache.k[0].dtype == torch.bfloat16 and runner.fast.cos.dtype == torch.bfloat16
-
-
-def top2_gap(runner, tokens) -> tuple[float, float]:
-    """(gap between the target's top two logits after `tokens`, the top logit), in its dtype."""
-    with torch.no_grad():
-        top = torch.topk(runner.model(torch.tensor([tokens])).logits[0, -1].float(), 2).values
-    return float(top[0] - top[1]), float(top[0])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_follows, sequence_probs
+from conftest import assert_follows, sequence_probs, top2_gap
 
 from specserve.training.tiny import tiny_model
 from specserve.drafter.draft_model import DraftModelProposer
@@ -21,12 +21,6 @@ def hf_greedy(model, prompt, n):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def top2_gap(model, tokens):
-    with torch.no_grad():
-        top = torch.topk(model(torch.tensor([tokens])).logits[0, -1], 2).values
-    return float(top[0] - top[1])
 
 
 def make_pair(case):
@@ -51,7 +45,7 @@ def test_greedy_equals_target_generate(case):
     want = hf_greedy(target, prompt, n)
     if result.token_ids != want:
         i = next(i for i, (a, b) in enumerate(zip(result.token_ids, want)) if a != b)
-        gap = top2_gap(target, prompt + want[:i])
+        gap, _ = top2_gap(target, prompt + want[:i])
         if gap < NEAR_TIE:
             pytest.skip(f"genuine near-tie at token {i}: top-2 logit gap {gap:.2e}")
         pytest.fail(f"token {i} differs ({result.token_ids[i]} vs {want[i]}), top-2 gap {gap:.3g}")
