@@ -327,13 +327,16 @@ class Detokenizer:
 
     def _delta(self, final: bool) -> str:
         text = self.text
-        for s in self.stop:
-            i = text.find(s, max(0, self.sent - len(s)))
-            if i != -1:
-                text = text[:i]
-                if not self.stopped:
-                    self.stopped_at = len(self.ids)
-                self.stopped = True
+        # the stop string that ends first (of those ending together, the one that starts first): the one
+        # token-by-token decoding meets first, however the rounds grouped the tokens (until stop 52 the
+        # first in the list that the text held, so overlapping stop strings cut a speculative round's text,
+        # or a paced stream's, elsewhere than plain decoding's, and usage counted another one's tokens)
+        found = [(i + len(s), i) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) != -1]
+        if found:
+            text = text[:min(found)[1]]
+            if not self.stopped:
+                self.stopped_at = len(self.ids)
+            self.stopped = True
         self.text = text
         end = len(text)
         if not self.stopped and not final:

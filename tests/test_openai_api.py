@@ -63,6 +63,27 @@ def test_stop_strings_are_never_emitted(tok):
         assert "STOP" in tok.decode(ids[:used]) and "STOP" not in tok.decode(ids[:used - 1])
 
 
+@pytest.mark.parametrize("stop", [["```\n", "\n```"], ["one\n```", "```"], ["x = 1", "= 1\n"]])
+def test_overlapping_stop_strings_cut_where_token_by_token_decoding_does(tok, stop):
+    """Of stop strings that overlap, the one that ends first cuts the text (as one token at a time
+    meets it), whatever the rounds' grouping of the tokens, and usage counts the tokens through
+    it. Until stop 52 the first of the list the text held cut it: a speculative round or a paced
+    stream message that brought both cut elsewhere than plain decoding, and a stream otherwise
+    than the same request answered whole."""
+    text = "code = 0\nx = 1\none\n```\nmore\n"
+    ids = tok(text)["input_ids"]
+    one_at_a_time = Detokenizer(tok, stop)
+    want = "".join(one_at_a_time.add([t]) for t in ids)
+    assert one_at_a_time.stopped
+    for grouping in [len(ids)] + list(range(2, 6)):
+        detok = Detokenizer(tok, stop)
+        got = "".join(detok.add(ids[i:i + grouping]) for i in range(0, len(ids), grouping))
+        assert (got, detok.tokens_used()) == (want, one_at_a_time.tokens_used()), (grouping, got, want)
+    for seed in range(5):
+        detok = Detokenizer(tok, stop)
+        assert stream(detok, ids, random.Random(seed)) == want and detok.tokens_used() == one_at_a_time.tokens_used()
+
+
 def sentencepiece_like():
     """A tokenizer decoding as Llama 2's and Mistral's do: "▁" is a space, and a decode's first
     space is stripped. Built in place (no model hub here)."""
