@@ -468,6 +468,7 @@ class FastLlama:
                             self.cache.k, self.cache.v, parent_t, fork_t, vocab and self.vocab is not None)
         for s, m in zip(slots, n):
             lengths[s] += m
+            self.cache.wrote(s, lengths[s])
         if last_only:
             logits = logits[:, :1]
         if order != list(range(b)) or big != b:  # back to the caller's row order

@@ -32,6 +32,7 @@ class SlotKVCache:
         self.slots, self.kv_heads, self.head_dim, self.max_length = slots, kv_heads, head_dim, max_length
         self._like = like  # buffers take its dtype and device
         self.lengths = [0] * slots
+        self.written = [0] * slots  # per slot: its row holds what was written below this (see reset)
         self.parents: dict[int, tuple[int, int]] = {}  # branch slot -> (parent slot, fork position)
         self.k = [self._buffer(capacity) for _ in range(num_layers)]
         self.v = [self._buffer(capacity) for _ in range(num_layers)]
@@ -74,10 +75,21 @@ class SlotKVCache:
         if any(p == slot and at > length for p, at in self.parents.values()):
             raise ValueError(f"cannot take slot {slot} back to {max(length, 0)}: a branch forked from it lives")
 
+    def wrote(self, slot: int, end: int) -> None:
+        """A pass (or a copy) wrote the slot's row below `end`."""
+        self.written[slot] = max(self.written[slot], end)
+
     def reset(self, slot: int = 0) -> None:
+        """Frees a slot, and zeroes what its row holds. A pass attends to a span of the buffer
+        rounded up past the sequence's length, weighting the positions past it by 0, and 0 times
+        a non-finite value is not 0: until stop 52 a request whose K/V overflowed (failed alone, for
+        its non-finite logits) left them in its slot, and failed the next requests there too."""
         self._keep_forks(slot, -1)
-        self.lengths[slot] = 0
-        self.parents.pop(slot, None)
+        low = self.parents.pop(slot, (slot, 0))[1]  # (a branch wrote from its fork on)
+        if self.written[slot] > low:
+            with torch.inference_mode():  # (the buffers are inference tensors)
+                torch._foreach_zero_([b[slot, :, low:self.written[slot]] for b in (*self.k, *self.v)])
+        self.lengths[slot] = self.written[slot] = 0
 
     def fork(self, slot: int, parent: int, at: int) -> None:
         """Makes `slot` a branch of `parent` at position `at`: it reads the parent's positions
@@ -100,6 +112,7 @@ class SlotKVCache:
             for buf in buffers:
                 buf[parent, :, at:end] = buf[slot, :, at:end]
         self.lengths[parent] = end
+        self.wrote(parent, end)
         self.reset(slot)
 
     def move(self, src: int, dst: int) -> None:
@@ -114,6 +127,7 @@ class SlotKVCache:
             for buf in buffers:
                 buf[dst, :, :end] = buf[src, :, :end]
         self.lengths[dst] = end
+        self.wrote(dst, end)
         self.reset(src)
 
     def rollback(self, n: int, slot: int = 0) -> None:

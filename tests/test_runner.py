@@ -155,6 +155,31 @@ def test_a_branch_reads_its_parents_prefix_and_adopting_it_moves_only_its_new_po
     assert torch.allclose(runner.score([4], slot=0), alone.score([4]), atol=1e-5)
 
 
+def test_what_a_freed_slot_held_cannot_reach_its_next_sequence():
+    """A pass attends to a span rounded up past a sequence's length, weighting the positions past
+    it by 0, and 0 times NaN is NaN: a request whose K/V overflowed (NaN written: it fails alone,
+    for its non-finite logits) left them in its slot, and until stop 52 the next sequence there got
+    non-finite logits too. Freed, a slot (or a branch's own positions) holds zeros again."""
+    model = tiny_model("llama", 64, seed=3)
+    runner, fresh = ModelRunner(model, slots=3), ModelRunner(model)
+    fresh.prefill([5, 6, 7, 8, 9])
+    want = fresh.score([4])
+    runner.prefill(list(range(1, 13)), slot=0)
+    runner.fork(2, 0, 12)
+    runner.score([3, 4, 5], slot=2)
+    cache = runner.fast.cache
+    with torch.inference_mode():  # an overflow: its K/V non-finite, in the slot and in its branch
+        for buffer in (*cache.k, *cache.v):
+            buffer[0, :, 8:12] = float("nan")
+            buffer[2, :, 12:15] = float("inf")
+    runner.release(2)
+    runner.release(0)
+    runner.prefill([5, 6, 7, 8, 9], slot=0)
+    assert torch.allclose(runner.score([4], slot=0), want, atol=1e-5)
+    runner.prefill([5, 6, 7, 8, 9], slot=2)
+    assert torch.allclose(runner.score([4], slot=2), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_moving_a_sequence_to_another_slot_keeps_its_numbers(arch):
     """move: the engine keeps its running sequences in slots 0..b-1; a moved sequence continues
