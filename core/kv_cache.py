@@ -136,6 +136,8 @@ class SlotKVCache:
         then read positions its parent would write again)."""
         length = self.lengths[slot] - n
         self._keep_forks(slot, length)
+        if slot in self.parents and length < self.parents[slot][1]:  # (below it, it reads its parent's)
+            raise ValueError(f"cannot take branch slot {slot} back to {length}, below its fork")
         self.lengths[slot] = length
 
 

@@ -293,6 +293,8 @@ class ModelRunner:
                     vocab: bool = False) -> list[torch.Tensor]:
         """[(slot, tokens), ...] -> per entry logits [len(tokens), V] (or [1, V] with last_only).
         vocab: -inf outside the draft vocabulary (none: every token's logit)."""
+        if not batch:  # (the lean forward's padding needs a row)
+            return []
         for slot, tokens in batch:
             if not self.started[slot]:
                 raise RuntimeError(f"{self.name}: score() on slot {slot} before prefill()")
@@ -384,7 +386,7 @@ class ModelRunner:
         self.started[dst], self.started[src] = True, False
 
     def release(self, slot: int = 0) -> None:
+        if self.fast is not None:  # (first: a slot with a live branch is refused, and stays started)
+            self.fast.cache.reset(slot)
         self.caches[slot] = None
         self.started[slot] = False
-        if self.fast is not None:
-            self.fast.cache.reset(slot)

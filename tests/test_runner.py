@@ -148,6 +148,11 @@ def test_a_branch_reads_its_parents_prefix_and_adopting_it_moves_only_its_new_po
         runner.rollback(4, slot=0)  # below the fork: the branch would read what the parent writes again
     with pytest.raises(ValueError, match="branch"):
         runner.fast.cache.reset(0)  # nor reset
+    with pytest.raises(ValueError, match="branch"):
+        runner.release(0)  # (and the slot stays started: a refused release leaked it until stop 52)
+    assert runner.started[0] and runner.score_batch([]) == []
+    with pytest.raises(ValueError, match="below its fork"):
+        runner.rollback(4, slot=2)  # a branch below its fork would write where it reads its parent's
     assert runner.seq_length(0) == 8
     runner.rollback(3, slot=0)  # back to prompt[:5]: the branch's outcome happened
     runner.adopt(0, 2)
