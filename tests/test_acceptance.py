@@ -142,6 +142,30 @@ def test_edge_cases():
     assert nxt in (0, 1)
 
 
+def test_a_drafters_non_finite_q_drops_its_drafts_and_the_token_follows_p():
+    """A drafter whose numbers overflowed (NaN or inf in q): the round keeps none of its drafts and
+    draws the token from the target's p, as a round without drafts would, and the request goes
+    on (until stop 52 it failed, though the target's numbers were sound). The target's non-finite
+    p still fails its row only."""
+    rng = np.random.default_rng(5)
+    p = torch.tensor(np.stack([random_dist(rng, 6, 1), random_dist(rng, 6, 0)]))
+    bad_q = torch.tensor(random_dist(rng, 6, 0))[None]
+    bad_q[0, 3] = float("nan")
+    bad_p = p.clone()
+    bad_p[1, 0] = float("inf")
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    counts = np.zeros(6)
+    for _ in range(n // 500):  # 500 rows a call, each its own generator's draw
+        out = accept_batch([[2]] * 500 + [[2]], [bad_q] * 500 + [bad_q.nan_to_num()], [p] * 500 + [bad_p],
+                           [g] * 501)
+        assert all(a == 0 for a, _ in out[:500]) and out[500] is None
+        counts += np.bincount([t for _, t in out[:500]], minlength=6)
+    support = p[0].numpy() > 0
+    assert counts[~support].sum() == 0
+    assert stats.chisquare(counts[support], n * p[0].numpy()[support]).pvalue > 1e-3
+
+
 def test_shape_errors():
     with pytest.raises(ValueError):
         accept([1, 2], None, torch.ones(2, 5) / 5)

@@ -79,8 +79,9 @@ def accept_batch(
     target_probs: Sequence[torch.Tensor],
     generators: Sequence[torch.Generator | None],
 ) -> list[tuple[int, int] | None]:
-    """One round of B sequences -> per sequence (num_accepted, next_token), or None where its
-    numbers are not finite (that request fails; the others are unaffected). See accept_on_device
+    """One round of B sequences -> per sequence (num_accepted, next_token), or None where the
+    target's numbers are not finite (that request fails; the others are unaffected; a drafter's
+    non-finite q only drops its drafts). See accept_on_device
     for the arguments; this adds the round's one transfer to the host."""
     if not draft_tokens:
         return []
@@ -140,14 +141,19 @@ def accept_on_device(
     # keep x with probability min(1, p/q): always when p >= q (q(x) = 0 included), else when u < p/q
     kept = (px >= qx) | (u * qx < px)
     kept &= torch.arange(K, device=dev)[None, :] < to_device(ks, dev)[:, None]
+    # a drafter's non-finite q (its numbers overflowed, not the target's): its drafts are dropped and the
+    # token is drawn from p, as a round without drafts would; exact, since that choice depends on the
+    # drafter only (until stop 52 the request failed, though the target's numbers were sound)
+    q_ok = torch.isfinite(q).flatten(1).all(1)
+    kept &= q_ok[:, None]
     num_accepted = kept.long().cumprod(1).sum(1)  # the longest kept prefix
     rows = torch.arange(B, device=dev)
-    pa, qa = p[rows, num_accepted], q[rows, num_accepted]
+    pa, qa = p[rows, num_accepted], q[rows, num_accepted] * q_ok[:, None]
     residual = (pa - qa).clamp(min=0.0)
     # an all-zero residual is reachable only through rounding (p and q agree): fall back to p
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pa)
     next_token = (residual / race).argmax(-1)
-    finite = torch.isfinite(p).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)
+    finite = torch.isfinite(p).flatten(1).all(1)
     return torch.stack([num_accepted, next_token, finite.long()])
 
 
