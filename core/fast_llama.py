@@ -464,11 +464,12 @@ class FastLlama:
         parent_t, fork_t = (meta[3 * nt + nl + 2 * big:3 * nt + nl + 3 * big], meta[3 * nt + nl + 3 * big:]) \
             if branched else (None, None)
         ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
+        for s, s0, m in zip(slots, starts, n):  # (first: a pass that fails may have written some layers)
+            self.cache.wrote(s, s0 + m)
         logits = self._pass(ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact,
                             self.cache.k, self.cache.v, parent_t, fork_t, vocab and self.vocab is not None)
         for s, m in zip(slots, n):
             lengths[s] += m
-            self.cache.wrote(s, lengths[s])
         if last_only:
             logits = logits[:, :1]
         if order != list(range(b)) or big != b:  # back to the caller's row order

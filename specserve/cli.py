@@ -169,11 +169,12 @@ def last_line(error: Exception, default: str) -> str:
     return lines[-1] if lines else default
 
 
-def load_serve_config(path: str | None) -> tuple[dict, dict]:
-    """(app args, http options) from a Serve config file (its one application's args, and its
-    http_options) or from a plain YAML mapping of app args (no http options)."""
+def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
+    """(app args, http options, the fields `specserve serve` does not apply) from a Serve config
+    file (its one application's args, and its http_options) or from a plain YAML mapping of app
+    args (no http options)."""
     if path is None:
-        return {}, {}
+        return {}, {}, []
     import yaml
     try:
         with open(path) as f:
@@ -181,6 +182,7 @@ def load_serve_config(path: str | None) -> tuple[dict, dict]:
     except (OSError, yaml.YAMLError) as e:
         raise CLIError(f"cannot read config {path!r}: {e}") from None
     http: dict = {}
+    unused: list[str] = []
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] or [{}]
         if not isinstance(apps, list) or not all(isinstance(app, dict) for app in apps):
@@ -192,24 +194,21 @@ def load_serve_config(path: str | None) -> tuple[dict, dict]:
         if not isinstance(http, dict):
             raise CLIError(f"config {path!r}: http_options must be a mapping")
         unused = unused_serve_fields(doc)
-        if unused:  # (until stop 52 dropped silently)
-            print(f"warning: config {path!r}: `specserve serve` takes its app's args and http_options' host and "
-                  f"port only; it ignores {', '.join(unused)} (`serve run {path}` applies them)",
-                  file=sys.stderr, flush=True)
         doc = apps[0].get("args") or {}
     if not isinstance(doc, dict):
         raise CLIError(f"config {path!r} must be a mapping of app args or a Serve config")
-    return doc, http
+    return doc, http, unused
 
 
 def unused_serve_fields(doc: dict) -> list[str]:
-    """The fields of a Serve config of one application that `specserve serve` would not apply: it
-    runs the app's args at route / under its own name, with http_options' host and port (a name,
-    proxy_location, and this app's own import path and route / change nothing there)."""
+    """The fields of a Serve config of one application (checked by `load_serve_config`) that
+    `specserve serve` would not apply: it runs the app's args at route / under its own name, with
+    http_options' host and port (a name, proxy_location, and this app's own import path and route
+    / change nothing there)."""
     app = (doc.get("applications") or [{}])[0]
-    unused = [key for key in doc if key not in ("applications", "http_options", "proxy_location")]
+    unused = [str(key) for key in doc if key not in ("applications", "http_options", "proxy_location")]
     unused += [f"http_options.{key}" for key in (doc.get("http_options") or {}) if key not in ("host", "port")]
-    unused += [key for key in app if key not in ("name", "args", "route_prefix", "import_path")]
+    unused += [str(key) for key in app if key not in ("name", "args", "route_prefix", "import_path")]
     unused += [f"{key} ({app[key]})" for key, ours in (("route_prefix", "/"), ("import_path", APP_IMPORT_PATH))
                if app.get(key, ours) != ours]
     return unused
@@ -224,7 +223,11 @@ def serve_settings(args) -> tuple[dict, str, int]:
     """`serve`'s app args, host and port: each from its flag, else the config file, else the
     default; the API key from --api-key, else the config, else $SPECSERVE_API_KEY, read here (the
     ingress replica's process, perhaps on another node, may not have the variable)."""
-    app_args, http = load_serve_config(args.config)
+    app_args, http, unused = load_serve_config(args.config)
+    if unused:  # (until stop 52 dropped silently)
+        print(f"warning: config {args.config!r}: `specserve serve` takes its app's args and http_options' host "
+              f"and port only; it ignores {', '.join(unused)} (`serve run {args.config}` applies them)",
+              file=sys.stderr, flush=True)
     host = args.host if args.host is not None else http.get("host", DEFAULT_HOST)
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
     if (args.target is not None and args.drafter is None and "drafter" not in app_args and not args.no_speculation

@@ -55,9 +55,6 @@ def eventually(check, within_s: float = 5.0) -> bool:
     return True
 
 
-# exact distributions and their tests, for the sampling checks of several paths
-
-
 def top2_gap(model, tokens) -> tuple[float, float]:
     """(the gap between a model's two largest logits after `tokens`, the largest), in float32 from
     its dtype: where speculative and plain greedy decoding part, the tests allow only a near-tie.
@@ -66,6 +63,9 @@ def top2_gap(model, tokens) -> tuple[float, float]:
     with torch.no_grad():
         top = torch.topk(model(torch.tensor([tokens])).logits[0, -1].float(), 2).values
     return float(top[0] - top[1]), float(top[0])
+
+
+# exact distributions and their tests, for the sampling checks of several paths
 
 
 def sequence_probs(target, prompt, params, n):

@@ -212,13 +212,13 @@ def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default
     capsys.readouterr()
     serve_settings(parse(["serve", "--config", str(REPO_ROOT / "deploy" / "serve-config.yaml")]))
     assert capsys.readouterr().err == ""  # (the image's own config: nothing in it is lost)
-    config.write_text("http_options: {port: 8123, request_timeout_s: 5}\nlogging_config: {encoding: JSON}\n"
+    config.write_text("http_options: {port: 8123, request_timeout_s: 5}\nlogging_config: {encoding: JSON}\non: 1\n"
                       "applications:\n  - {name: a, route_prefix: /v2, args: {k: 2},\n"
                       "     deployments: [{name: OpenAIIngress, num_replicas: 2}]}\n")
     assert serve_settings(parse(["serve", "--config", str(config)]))[0] == {"k": 2}
     warning = capsys.readouterr().err
     assert all(field in warning for field in ("logging_config", "http_options.request_timeout_s", "deployments",
-                                              "route_prefix (/v2)")), warning
+                                              "route_prefix (/v2)", "True")), warning  # (YAML's `on:` is True)
     config.write_text("applications:\n  - {name: a, args: {}}\n  - {name: b, args: {}}\n")
     with pytest.raises(CLIError, match="has 2 applications"):
         serve_settings(parse(["serve", "--config", str(config)]))

@@ -350,7 +350,8 @@ def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(m
             proposer.mark_failed(DrafterUnavailable("missed"))
             assert eventually(proposer.recovered, within_s=10)
             assert eventually(lambda: len(servicer.to_release) == 2)  # its Release of a and b came, the lock still held
-        time.sleep(1.0)  # the late Start's handler takes the lock now
+        # the late Start's handler takes the lock now, applies the pending releases and holds the lock to its end
+        assert eventually(lambda: not servicer.to_release and not servicer.lock.locked())
         assert servicer.live_sequences == 0  # the drafter has room for the restarts
         proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
     finally:

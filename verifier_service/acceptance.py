@@ -148,7 +148,7 @@ def accept_on_device(
     kept &= q_ok[:, None]
     num_accepted = kept.long().cumprod(1).sum(1)  # the longest kept prefix
     rows = torch.arange(B, device=dev)
-    pa, qa = p[rows, num_accepted], q[rows, num_accepted] * q_ok[:, None]
+    pa, qa = p[rows, num_accepted], torch.where(q_ok[:, None], q[rows, num_accepted], 0.0)
     residual = (pa - qa).clamp(min=0.0)
     # an all-zero residual is reachable only through rounding (p and q agree): fall back to p
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pa)
@@ -163,8 +163,9 @@ def accept(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """One sequence: (num_accepted, next_token). See accept_batch; ValueError on non-finite input."""
+    """One sequence: (num_accepted, next_token). See accept_batch; ValueError where the target's
+    p is not finite."""
     (result,) = accept_batch([draft_tokens], [draft_probs], [target_probs], [generator])
     if result is None:
-        raise ValueError("the distributions are not finite")
+        raise ValueError("the target's distributions are not finite")
     return result
