@@ -113,7 +113,7 @@ class SpeculativePair:
             out = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, (ValueError, Overloaded, RequestFailed)):
-                raise type(e.cause)(str(e.cause)) from None
+                raise e.cause.with_traceback(None) from None
             raise
         stats = SpecStats(**{k: v for k, v in out["stats"].items() if k in SpecStats.__dataclass_fields__})
         return GenerationResult(out["token_ids"], out["finish_reason"], stats)

@@ -259,7 +259,8 @@ class PairReplica:
         return info
 
     def check_health(self) -> None:
-        """Serve's replica health check: a replica whose engine loop died is restarted."""
+        """Serve's replica health check: a replica whose engine loop died, or hangs in one step
+        (`engine_hang_s`), is restarted."""
         state = self.engine.health()
         if state["status"] == "dead":
             raise RuntimeError(state["reason"])

@@ -43,6 +43,7 @@ class SpecServeConfig:
     request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
     drafter_hang_s: float = 60.0  # a drafter actor that runs but cannot be reached for this long after a failed call is restarted
+    engine_hang_s: float | None = 300.0  # a pair whose engine loop has been in one step this long is restarted (None: never)
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
     device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
     dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), the drafter there float32 with a bfloat16 head; else float32), float32, bfloat16, float16
@@ -88,6 +89,8 @@ class SpecServeConfig:
              "request_timeout_s must be null or a number > 0")
         need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
         need(_is_number(self.drafter_hang_s) and self.drafter_hang_s > 0, "drafter_hang_s must be a number > 0")
+        need(self.engine_hang_s is None or (_is_number(self.engine_hang_s) and self.engine_hang_s > 0),
+             "engine_hang_s must be null or a number > 0")
         need(_is_number(self.stream_interval_ms) and 0 <= self.stream_interval_ms <= 1000,
              "stream_interval_ms must be a number in [0, 1000]")
         need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")

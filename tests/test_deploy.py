@@ -93,6 +93,7 @@ APP_ARGS = {
     "request_timeout_s": (int, float, type(None)),
     "drafter_seq_ttl_s": (int, float),
     "drafter_hang_s": (int, float),
+    "engine_hang_s": (int, float, type(None)),
     "stream_interval_ms": (int, float),
     "api_key": (str, type(None)),
 }

@@ -309,8 +309,9 @@ def test_release_after_end_and_cancel(ray_session, pairs):
         assert drafter_empties(pair)
         assert pair.load()["free_slots"] == pair.load()["max_num_seqs"]
         # a bad request is an error for that request only
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="exceeds the context") as e:  # (the engine's own error, whole)
             pair.generate([5] * 600, 10, SamplingParams(), k=4)
+        assert e.value.param == "prompt"
         assert drafter_empties(pair)
         assert len(pair.generate([5, 6], 3, SamplingParams(), k=2).token_ids) == 3
     finally:

@@ -1,6 +1,7 @@
 """Faults: the drafter fails, requests do not (and sampled ones stay exact). Real gRPC servers and a real RemoteProposer; the
 engine is stepped by hand so that the failure lands at a known round."""
 
+import threading
 import time
 
 import pytest
@@ -356,3 +357,24 @@ def test_a_start_that_missed_its_deadline_is_released_once_the_drafter_is_back(m
         proposer.start_many([("a", [3, 4, 5], SamplingParams()), ("b", [6, 7], SamplingParams())])
     finally:
         server.stop(0)
+
+
+def test_an_engine_loop_stuck_in_one_step_is_reported_dead(models):
+    """A step that does not end (here a token consumer that blocks; on a GPU, a device that
+    hangs): `health` says "dead" once it has lasted hang_s, so the pair's Serve health check has
+    the replica restarted; until stop 52 it said "ok" while every request waited for ever. It says
+    "ok" again once the step ends."""
+    target, _ = models
+    engine = SpeculativeEngine(ModelRunner(target, slots=1), None, eos_ids=set(), max_num_seqs=1, hang_s=0.5)
+    engine.start()
+    release = threading.Event()
+    try:
+        stuck = engine.submit(PROMPTS[0], 5, SamplingParams(), k=0, on_tokens=lambda t: release.wait(30) or True)
+        assert engine.health() == {"status": "ok"}
+        assert eventually(lambda: engine.health()["status"] == "dead", within_s=5)
+        assert "in one step" in engine.health()["reason"]
+        release.set()
+        assert stuck.done.wait(10) and stuck.error is None and engine.health() == {"status": "ok"}
+    finally:
+        release.set()
+        engine.stop()

@@ -167,6 +167,9 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param, self.code = param, code
 
+    def __reduce__(self):  # (pickled whole: a Ray actor raises it to its caller)
+        return type(self), (str(self), self.param, self.code)
+
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length: int, vocab_size: int) -> None:
     """Raises InvalidRequest with a user-facing message for a request that cannot run."""
@@ -250,11 +253,12 @@ class SpeculativeEngine:
     def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 64,
                  request_timeout_s: float | None = None, ngram: bool = False, speculation: str = "fixed",
-                 max_k: int = MAX_K):
+                 max_k: int = MAX_K, hang_s: float | None = None):
         """proposer: the drafter (in process or remote), or None; ngram: whether the n-gram
         proposer is available (the default without a drafter, the fallback while it is down);
         speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
-        for up to max_k drafts, and the drafter's on-demand calls, now)."""
+        for up to max_k drafts, and the drafter's on-demand calls, now); hang_s: `health` says
+        "dead" while the loop has been in one step this long (None: never)."""
         if not 1 <= max_k <= MAX_K:
             raise ValueError(f"max_k must be in [1, {MAX_K}], got {max_k}")
         if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
@@ -274,6 +278,8 @@ class SpeculativeEngine:
                               max_model_len or 1 << 30)
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
+        self.hang_s = hang_s
+        self._in_step_since: float | None = None  # monotonic time the loop's running step began (None: between steps)
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
         self._moved: tuple[str, str] | None = None  # (a drafter address found stale from outside the loop, why)
         self.proposer_failures = 0
@@ -386,9 +392,15 @@ class SpeculativeEngine:
 
     def health(self) -> dict:
         """{"status": "ok"}; "degraded" with the reason while speculation is off because the
-        proposer failed; "dead" when the background loop has stopped."""
+        proposer failed; "dead" when the background loop has stopped, or has been in one step for
+        `hang_s` (a device that hangs, a callback that never returns: until stop 52 the pair said
+        "ok" while every request waited for ever)."""
         if self.loop is not None and not self.loop.is_alive():
             return {"status": "dead", "reason": "the engine loop has stopped"}
+        since = self._in_step_since
+        if self.hang_s is not None and since is not None and time.monotonic() - since > self.hang_s:
+            return {"status": "dead", "reason": f"the engine loop has been in one step for "
+                    f"{time.monotonic() - since:.0f} s (engine_hang_s {self.hang_s:g})"}
         if self.degraded is not None:
             return {"status": "degraded", "reason": self.degraded}
         return {"status": "ok"}
@@ -433,11 +445,14 @@ class SpeculativeEngine:
                     if self.stopping:
                         break
                 with self.step_lock:
+                    self._in_step_since = time.monotonic()
                     try:
                         self.step()
                     except Exception as e:  # outside a round's own handling: its requests fail, never the loop
                         log.exception("a step failed")
                         self._fail_in_flight(e)
+                    finally:
+                        self._in_step_since = None
         finally:  # stopped, or the loop died (a BaseException, as SystemExit from a caller's callback): every
             # request fails, none waits for ever, later submits included (until stop 51 a dead loop left them hanging)
             with self.step_lock:
