@@ -61,6 +61,9 @@ def ensure_ray() -> bool:
     return fresh
 
 
+CALL_TIMEOUT_S = 30.0  # SpeculativePair's control calls (cancel, load, health) wait at most this long
+
+
 class SpeculativePair:
     """`SpeculativePair(target, drafter, pipeline=True, **fields)`: any other `SpecServeConfig`
     field (max_num_seqs, max_waiting, use_gpu, cpus_per_actor, ...) as a keyword."""
@@ -118,15 +121,17 @@ class SpeculativePair:
         stats = SpecStats(**{k: v for k, v in out["stats"].items() if k in SpecStats.__dataclass_fields__})
         return GenerationResult(out["token_ids"], out["finish_reason"], stats)
 
-    def cancel(self, request_id: str) -> bool:
-        return ray.get(self.verifier.cancel.remote(request_id))
+    # (each waits at most timeout_s, then raises ray.exceptions.GetTimeoutError: until stop 52 a verifier
+    # actor that ran but did not answer, a stopped process, hung its caller for good)
+    def cancel(self, request_id: str, timeout_s: float | None = CALL_TIMEOUT_S) -> bool:
+        return ray.get(self.verifier.cancel.remote(request_id), timeout=timeout_s)
 
-    def load(self) -> dict:
+    def load(self, timeout_s: float | None = CALL_TIMEOUT_S) -> dict:
         """Running / waiting sequences and free target slots of the verifier."""
-        return ray.get(self.verifier.load.remote())
+        return ray.get(self.verifier.load.remote(), timeout=timeout_s)
 
-    def health(self) -> dict:
-        return ray.get(self.verifier.health.remote())
+    def health(self, timeout_s: float | None = CALL_TIMEOUT_S) -> dict:
+        return ray.get(self.verifier.health.remote(), timeout=timeout_s)
 
     def shutdown(self) -> None:
         # a drafter the verifier recreated is owned by the verifier process and dies with it

@@ -1,7 +1,9 @@
 """Drafter and verifier as Ray actors over gRPC: exactness, sampling, placement, release."""
 
 import functools
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -314,5 +316,14 @@ def test_release_after_end_and_cancel(ray_session, pairs):
         assert e.value.param == "prompt"
         assert drafter_empties(pair)
         assert len(pair.generate([5, 6], 3, SamplingParams(), k=2).token_ids) == 3
+        # a verifier that does not answer (its process stopped) times its callers out (stop 52; they hung)
+        pid = ray.get(pair.verifier.__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ray.exceptions.GetTimeoutError):
+                pair.health(timeout_s=1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert pair.health() == {"status": "ok"}
     finally:
         pair.shutdown()
