@@ -224,7 +224,7 @@ class RemoteProposer(Proposer):
         self._unanswered: deque[tuple[list[ProposeItem], list[int], bool]] = deque()  # (items, rounds, kept)
         self._kept: list[Draft] | None = None  # the drafts of the last `send`, once read
         self._lost: Exception | None = None  # a Propose's error read by a Start or Release, not yet raised
-        self._releases: list[tuple[grpc.Future, int]] = []  # Releases sent, answers not read (future, sequences)
+        self._releases: list[tuple[grpc.Future, list[str]]] = []  # Releases sent, answers not read (future, wire ids)
         self._releases_lock = threading.Lock()  # (a Start may come from a helper thread)
         self._orphans: list[str] = []  # wire ids of the sequences of connections given up, to release
 
@@ -382,9 +382,10 @@ class RemoteProposer(Proposer):
         in_flight = {item.seq_id for items, _, _ in self._unanswered for item in items}
         if not in_flight.isdisjoint(known):
             self._settle()
-        future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=[self._wire_id(s) for s in known]))
+        wire = [self._wire_id(s) for s in known]
+        future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=wire))
         with self._releases_lock:
-            self._releases.append((future, len(known)))
+            self._releases.append((future, wire))
 
     def _read_releases(self, wait: bool) -> None:
         """Reads the answers to the Releases sent (wait=False: those already in). A Release that
@@ -393,13 +394,13 @@ class RemoteProposer(Proposer):
         with self._releases_lock:
             sent, self._releases = self._releases, []
             if not wait:
-                self._releases = [(f, n) for f, n in sent if not f.done()]
-                sent = [(f, n) for f, n in sent if f.done()]
-        for future, n in sent:
+                self._releases = [(f, ids) for f, ids in sent if not f.done()]
+                sent = [(f, ids) for f, ids in sent if f.done()]
+        for future, ids in sent:
             try:
                 future.result()
             except grpc.RpcError as e:
-                log.warning("release of %d sequences failed: %s", n, self._error("Release", e))
+                log.warning("release of %d sequences failed: %s", len(ids), self._error("Release", e))
 
     # ---------------------------------------------------------------- failure and recovery
     def abandon(self, seq_ids: list[str]) -> None:
@@ -410,8 +411,12 @@ class RemoteProposer(Proposer):
 
     def mark_failed(self, error: Exception) -> None:
         self.abandon(list(self.rounds))  # (a copy: a Start's helper thread may add to it)
-        with self._releases_lock:
-            self._releases = []  # (their sequences are reclaimed on the drafter after its TTL)
+        with self._releases_lock:  # Releases not answered yet are sent again once the drafter is back (the
+            # connection given up cancels them; until stop 52 their sequences held the drafter's slots for its TTL)
+            unanswered, self._releases = self._releases, []
+        for future, ids in unanswered:
+            if not future.done() or future.exception() is not None:
+                self._orphans.extend(ids)
         self._unanswered.clear()
         self._kept = self._lost = None
         if self._reconnecting is None or not self._reconnecting.is_alive():
@@ -474,5 +479,5 @@ class RemoteProposer(Proposer):
             orphans, self._orphans = self._orphans, []  # for a missed deadline) frees them now, not after its TTL
             future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=orphans))
             with self._releases_lock:
-                self._releases.append((future, len(orphans)))
+                self._releases.append((future, orphans))
         return True
