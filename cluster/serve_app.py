@@ -124,7 +124,7 @@ class PairReplica:
         the text at the same place."""
         from specserve.cluster.openai_api import Detokenizer
         from specserve.core.sampling import SamplingParams
-        from specserve.verifier.engine import Overloaded, RequestFailed, RequestTimeout
+        from specserve.verifier.engine import InvalidRequest, Overloaded, RequestFailed, RequestTimeout
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -143,14 +143,12 @@ class PairReplica:
         if request.get("k") is not None:  # at most the config's k (until stop 51 a request's k replaced it)
             k = min(k, request["k"])
         max_tokens = request["max_tokens"]
-        if max_tokens is None:  # (chat without max_tokens: as OpenAI's, up to the end of the context)
-            max_tokens = self.engine.max_length - len(request["prompt_ids"])
-            if max_tokens < 1:
-                yield {"error": {"status": 400, "message": f"the prompt ({len(request['prompt_ids'])} tokens) "
-                                 f"fills the context of {self.engine.max_length} tokens", "param": "prompt",
-                                 "code": "context_length_exceeded"}}
-                return
         try:
+            if max_tokens is None:  # (chat without max_tokens: as OpenAI's, up to the end of the context)
+                max_tokens = self.engine.max_length - len(request["prompt_ids"])
+                if max_tokens < 1:
+                    raise InvalidRequest(f"the prompt ({len(request['prompt_ids'])} tokens) fills the context of "
+                                         f"{self.engine.max_length} tokens", "prompt", "context_length_exceeded")
             self.engine.submit(
                 request["prompt_ids"], max_tokens, SamplingParams(**request["sampling"]), k,
                 request_id=request["id"], ignore_eos=request.get("ignore_eos", False), method=request.get("method"),

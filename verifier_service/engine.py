@@ -398,9 +398,10 @@ class SpeculativeEngine:
         if self.loop is not None and not self.loop.is_alive():
             return {"status": "dead", "reason": "the engine loop has stopped"}
         since = self._in_step_since
-        if self.hang_s is not None and since is not None and time.monotonic() - since > self.hang_s:
-            return {"status": "dead", "reason": f"the engine loop has been in one step for "
-                    f"{time.monotonic() - since:.0f} s (engine_hang_s {self.hang_s:g})"}
+        stuck = time.monotonic() - since if since is not None else 0.0
+        if self.hang_s is not None and stuck > self.hang_s:
+            return {"status": "dead", "reason": f"the engine loop has been in one step for {stuck:.0f} s "
+                    f"(engine_hang_s {self.hang_s:g})"}
         if self.degraded is not None:
             return {"status": "degraded", "reason": self.degraded}
         return {"status": "ok"}
