@@ -5,7 +5,9 @@ Proposes come as unary calls or, from the verifier, on one long-lived ProposeStr
 connection (answered in order, each request exactly as the unary call would be).
 Model work runs under one lock, so a sequence's state is never touched by two threads at once.
 With pipelining on, each Propose schedules the next round's speculative draft on a background
-thread; it runs while the verifier scores the round just answered.
+thread; it runs while the verifier scores the round just answered. A ProposeItem with
+skip_preparation schedules nothing for its sequence (the verifier's adaptive policy asks that where
+a prepared round would rarely be used: see verifier_service/policy.py).
 
 A Release is answered at once and applied by whoever holds the lock next, or now if nobody does
 (`_drain_releases`): it never waits for a preparation (or a Propose) to end. The verifier sends
@@ -246,7 +248,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if base + len(new_tokens) + item.k > self.max_length:
                     raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
                                        f"sequence {item.seq_id!r} would exceed the drafter's context")
-                items.append(ProposeItem(item.seq_id, new_tokens, item.k, item.min_confidence))
+                items.append(ProposeItem(item.seq_id, new_tokens, item.k, item.min_confidence,
+                                         prepare=not item.skip_preparation))
             drafts = self.proposer.propose(items)
             drafted = time.perf_counter()
             now = time.monotonic()
@@ -254,8 +257,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self.versions[item.seq_id] += 1
                 self.last_call[item.seq_id] = now
             self._reclaim_idle(now)
-            versions = {item.seq_id: self.versions[item.seq_id] for item in items}
-        if self.pipeline:
+            versions = {item.seq_id: self.versions[item.seq_id] for item in items if item.prepare}
+        if self.pipeline and versions:
             self.background.submit(self._speculate, versions)
         qs = _to_host([d.probs for d in drafts])
         reply = pb.ProposeReply(drafts=[

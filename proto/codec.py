@@ -13,7 +13,7 @@ from specserve.core.sampling import SamplingParams
 from specserve.proto import speculative_pb2 as pb
 
 
-PROTOCOL_VERSION = 7  # 7: k at most 16 (core.proposer.MAX_K); 6: InfoReply.seq_ttl_s; 5: ProposeStream; 4: fan-out (Draft.prepared, InfoReply.fanout); 3: Propose takes k = 0 and min_confidence
+PROTOCOL_VERSION = 8  # 8: ProposeItem.skip_preparation; 7: k at most 16 (core.proposer.MAX_K); 6: InfoReply.seq_ttl_s; 5: ProposeStream; 4: fan-out (Draft.prepared, InfoReply.fanout); 3: Propose takes k = 0 and min_confidence
 _TORCH = {pb.PROB_FLOAT32: torch.float32, pb.PROB_FLOAT16: torch.float16, pb.PROB_BFLOAT16: torch.bfloat16}
 _CODE = {v: k for k, v in _TORCH.items()}
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

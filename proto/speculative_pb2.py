@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specserve/proto/speculative.proto\x12\x0cspecserve.v2\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"Y\n\tStartItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specserve.v2.Sampling\"6\n\x0cStartRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.specserve.v2.StartItem\"$\n\nStartReply\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\"c\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\":\n\x0eProposeRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specserve.v2.ProposeItem\"Y\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.specserve.v2.ProbDtype\"\x85\x01\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x01q\x18\x04 \x03(\x0b\x32\x1a.specserve.v2.Distribution\x12\x14\n\x0cpipeline_hit\x18\x05 \x01(\x08\x12\x10\n\x08prepared\x18\x06 \x01(\r\"3\n\x0cProposeReply\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.specserve.v2.Draft\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"&\n\x0cReleaseReply\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\xf4\x01\n\tInfoReply\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x16\n\x0elive_sequences\x18\x03 \x01(\r\x12\x10\n\x08pipeline\x18\x04 \x01(\x08\x12\x15\n\rpipeline_hits\x18\x05 \x01(\x04\x12\x17\n\x0fpipeline_misses\x18\x06 \x01(\x04\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12(\n\x07q_dtype\x18\x08 \x01(\x0e\x32\x17.specserve.v2.ProbDtype\x12\x0e\n\x06\x66\x61nout\x18\t \x01(\r\x12\x11\n\tseq_ttl_s\x18\n \x01(\x02*B\n\tProbDtype\x12\x10\n\x0cPROB_FLOAT32\x10\x00\x12\x10\n\x0cPROB_FLOAT16\x10\x01\x12\x11\n\rPROB_BFLOAT16\x10\x02\x32\xdd\x02\n\x07\x44rafter\x12=\n\x05Start\x12\x1a.specserve.v2.StartRequest\x1a\x18.specserve.v2.StartReply\x12\x43\n\x07Propose\x12\x1c.specserve.v2.ProposeRequest\x1a\x1a.specserve.v2.ProposeReply\x12M\n\rProposeStream\x12\x1c.specserve.v2.ProposeRequest\x1a\x1a.specserve.v2.ProposeReply(\x01\x30\x01\x12\x43\n\x07Release\x12\x1c.specserve.v2.ReleaseRequest\x1a\x1a.specserve.v2.ReleaseReply\x12:\n\x04Info\x12\x19.specserve.v2.InfoRequest\x1a\x17.specserve.v2.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specserve/proto/speculative.proto\x12\x0cspecserve.v2\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"Y\n\tStartItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specserve.v2.Sampling\"6\n\x0cStartRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.specserve.v2.StartItem\"$\n\nStartReply\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\"}\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\x12\x18\n\x10skip_preparation\x18\x06 \x01(\x08\":\n\x0eProposeRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specserve.v2.ProposeItem\"Y\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.specserve.v2.ProbDtype\"\x85\x01\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x01q\x18\x04 \x03(\x0b\x32\x1a.specserve.v2.Distribution\x12\x14\n\x0cpipeline_hit\x18\x05 \x01(\x08\x12\x10\n\x08prepared\x18\x06 \x01(\r\"3\n\x0cProposeReply\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.specserve.v2.Draft\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"&\n\x0cReleaseReply\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\xf4\x01\n\tInfoReply\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x16\n\x0elive_sequences\x18\x03 \x01(\r\x12\x10\n\x08pipeline\x18\x04 \x01(\x08\x12\x15\n\rpipeline_hits\x18\x05 \x01(\x04\x12\x17\n\x0fpipeline_misses\x18\x06 \x01(\x04\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12(\n\x07q_dtype\x18\x08 \x01(\x0e\x32\x17.specserve.v2.ProbDtype\x12\x0e\n\x06\x66\x61nout\x18\t \x01(\r\x12\x11\n\tseq_ttl_s\x18\n \x01(\x02*B\n\tProbDtype\x12\x10\n\x0cPROB_FLOAT32\x10\x00\x12\x10\n\x0cPROB_FLOAT16\x10\x01\x12\x11\n\rPROB_BFLOAT16\x10\x02\x32\xdd\x02\n\x07\x44rafter\x12=\n\x05Start\x12\x1a.specserve.v2.StartRequest\x1a\x18.specserve.v2.StartReply\x12\x43\n\x07Propose\x12\x1c.specserve.v2.ProposeRequest\x1a\x1a.specserve.v2.ProposeReply\x12M\n\rProposeStream\x12\x1c.specserve.v2.ProposeRequest\x1a\x1a.specserve.v2.ProposeReply(\x01\x30\x01\x12\x43\n\x07Release\x12\x1c.specserve.v2.ReleaseRequest\x1a\x1a.specserve.v2.ReleaseReply\x12:\n\x04Info\x12\x19.specserve.v2.InfoRequest\x1a\x17.specserve.v2.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.proto.speculative_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROBDTYPE']._serialized_start=1091
-  _globals['_PROBDTYPE']._serialized_end=1157
+  _globals['_PROBDTYPE']._serialized_start=1117
+  _globals['_PROBDTYPE']._serialized_end=1183
   _globals['_SAMPLING']._serialized_start=51
   _globals['_SAMPLING']._serialized_end=126
   _globals['_STARTITEM']._serialized_start=128
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTREPLY']._serialized_start=275
   _globals['_STARTREPLY']._serialized_end=311
   _globals['_PROPOSEITEM']._serialized_start=313
-  _globals['_PROPOSEITEM']._serialized_end=412
-  _globals['_PROPOSEREQUEST']._serialized_start=414
-  _globals['_PROPOSEREQUEST']._serialized_end=472
-  _globals['_DISTRIBUTION']._serialized_start=474
-  _globals['_DISTRIBUTION']._serialized_end=563
-  _globals['_DRAFT']._serialized_start=566
-  _globals['_DRAFT']._serialized_end=699
-  _globals['_PROPOSEREPLY']._serialized_start=701
-  _globals['_PROPOSEREPLY']._serialized_end=752
-  _globals['_RELEASEREQUEST']._serialized_start=754
-  _globals['_RELEASEREQUEST']._serialized_end=787
-  _globals['_RELEASEREPLY']._serialized_start=789
-  _globals['_RELEASEREPLY']._serialized_end=827
-  _globals['_INFOREQUEST']._serialized_start=829
-  _globals['_INFOREQUEST']._serialized_end=842
-  _globals['_INFOREPLY']._serialized_start=845
-  _globals['_INFOREPLY']._serialized_end=1089
-  _globals['_DRAFTER']._serialized_start=1160
-  _globals['_DRAFTER']._serialized_end=1509
+  _globals['_PROPOSEITEM']._serialized_end=438
+  _globals['_PROPOSEREQUEST']._serialized_start=440
+  _globals['_PROPOSEREQUEST']._serialized_end=498
+  _globals['_DISTRIBUTION']._serialized_start=500
+  _globals['_DISTRIBUTION']._serialized_end=589
+  _globals['_DRAFT']._serialized_start=592
+  _globals['_DRAFT']._serialized_end=725
+  _globals['_PROPOSEREPLY']._serialized_start=727
+  _globals['_PROPOSEREPLY']._serialized_end=778
+  _globals['_RELEASEREQUEST']._serialized_start=780
+  _globals['_RELEASEREQUEST']._serialized_end=813
+  _globals['_RELEASEREPLY']._serialized_start=815
+  _globals['_RELEASEREPLY']._serialized_end=853
+  _globals['_INFOREQUEST']._serialized_start=855
+  _globals['_INFOREQUEST']._serialized_end=868
+  _globals['_INFOREPLY']._serialized_start=871
+  _globals['_INFOREPLY']._serialized_end=1115
+  _globals['_DRAFTER']._serialized_start=1186
+  _globals['_DRAFTER']._serialized_end=1535
 # @@protoc_insertion_point(module_scope)

@@ -15,8 +15,9 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PROBE_EVERY, SETTLE_ROUNDS, Acceptance, DraftCosts,
-                                       PassCosts, SpeculationPolicy, expected_tokens, profile_target)
+from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PREPARE_MIN_READY, PROBE_EVERY, SETTLE_ROUNDS,
+                                       Acceptance, DraftCosts, PassCosts, SpeculationPolicy, expected_tokens,
+                                       profile_target)
 
 V = 96
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
@@ -97,10 +98,10 @@ def test_acceptance_is_estimated_per_proposer():
     for _ in range(100):
         policy.observe_acceptance(Acceptance(), 4, 4, "draft_model")
         policy.observe_acceptance(Acceptance(), 4, 0, "ngram")
-    drafter, _ = policy.model_round([4], [Acceptance()], ["draft_model"])
-    ngram, _ = policy.model_round([4], [Acceptance()], ["ngram"])
+    drafter, _, _ = policy.model_round([4], [Acceptance()], ["draft_model"])
+    ngram, _, _ = policy.model_round([4], [Acceptance()], ["ngram"])
     assert drafter[4] > 4.5 and ngram[4] < 1.1  # 1 + about 4 accepted; 1 + about 0
-    both, _ = policy.model_round([4, 4], [Acceptance(), Acceptance()], ["draft_model", "ngram"])
+    both, _, _ = policy.model_round([4, 4], [Acceptance(), Acceptance()], ["draft_model", "ngram"])
     assert both[4] == pytest.approx(drafter[4] + ngram[4])
     state = policy.state()
     assert state["engine_acceptance"]["draft_model"] > 0.95 > 0.05 > state["engine_acceptance"]["ngram"]
@@ -212,6 +213,44 @@ class SlowSpell(ModelRunner):
             time.sleep(self.delay)
         self.calls += 1
         return super().score_batch(batch, last_only=last_only, vocab=vocab)
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_a_remote_drafter_prepares_the_rounds_the_policy_asks_it_to(prepare, monkeypatch):
+    """The adaptive policy asks a pipelining drafter to prepare a round only where the chance that
+    the call finds every row's draft ready is PREPARE_MIN_READY or more. Set above any chance, the
+    drafter prepares nothing, no round is a pipeline hit, and neither the policy's h nor the
+    request's hits by outcome count those rounds (nothing was prepared to be ready); with the
+    default, one sequence's rounds are prepared and hit. Greedy output equals plain decoding
+    either way. (The target drafts for itself, so every draft is accepted, and its passes are
+    4 ms slower, so drafting pays.)"""
+    from specserve.drafter.server import serve
+    from specserve.verifier import policy as policy_module
+    from specserve.verifier.client import RemoteProposer
+    if not prepare:
+        monkeypatch.setattr(policy_module, "PREPARE_MIN_READY", 2.0)
+    target = tiny_model("llama", V, seed=7)
+    server, port, servicer = serve(target, host="127.0.0.1", pipeline=True, max_sequences=4)
+    try:
+        engine = SpeculativeEngine(SlowSpell(target, slots=2, spell=range(10 ** 9), delay=0.004),
+                                   RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set(), speculation="adaptive", max_k=4)
+        before = servicer.proposer.speculated  # (the startup profile's calls)
+        result = engine.generate([3, 4, 5], 60, SamplingParams(), k=4)
+        assert result.token_ids == plain(target, [3, 4, 5], 60)
+        drafted = sum(result.stats.rounds_by_k[1:])
+        assert drafted >= 5, result.stats.rounds_by_k
+        stats = result.stats
+        if prepare:
+            assert servicer.proposer.speculated > before and stats.num_pipeline_hits > 0
+            assert sum(stats.outcome_rounds) > 0 and engine.policy.hit_rates["draft_model"].trials > 0
+            assert engine.policy.unprepared == 0
+        else:
+            assert servicer.proposer.speculated == before and stats.num_pipeline_hits == 0
+            assert sum(stats.outcome_rounds) == 0 and "draft_model" not in engine.policy.hit_rates
+            assert engine.policy.unprepared == drafted
+            assert engine.policy.state()["unprepared_rounds"] == drafted
+    finally:
+        server.stop(0)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
@@ -507,11 +546,13 @@ def test_a_slow_spell_in_the_target_profile_hits_every_width_alike():
     assert min(before[(1, 3)], before[(1, 5)]) > 0.03 > max(before[(1, 1)], before[(1, 2)])
 
 
-def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas():
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas(mode):
     """model_round's tokens for k are sum_i (1 + sum_{j <= min(k, limit_i)} prod_{l <= j} min(1, a_l s_i)),
-    and its drafting time weighs the ready call by prod_i (prod_{l <= min(k, limit_i)} min(1, a_l s_i)) h
-    over the drafting rows (a row that drafts nothing adds one token and no factor)."""
-    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 * (b + w) for b in (1, 8) for w in (1, 5)}))
+    and its drafting time weighs the ready call by P = prod_i (prod_{l <= min(k, limit_i)} min(1, a_l s_i)) h
+    over the drafting rows (a row that drafts nothing adds one token and no factor); the adaptive
+    policy asks for no preparation where P < PREPARE_MIN_READY, so there it weighs a miss only."""
+    policy = SpeculationPolicy(mode, PassCosts({(b, w): 1e-3 * (b + w) for b in (1, 8) for w in (1, 5)}))
     policy.prepared.add("draft_model")
     for k in (1, 4):
         policy.observe_draft("draft_model", 5, k, 2e-3 * k)
@@ -520,11 +561,12 @@ def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas
         policy.observe_acceptance(Acceptance(), 4, accepted, "draft_model")
     limits = [4, 2, 0, 1, 3]
     accs = [Acceptance(accepted=a, trials=10.0) for a in (9.0, 5.0, 0.0, 7.0, 2.0)]
-    tokens, seconds = policy.model_round(limits, accs, ["draft_model", "draft_model", None, "draft_model", "draft_model"])
+    tokens, seconds, ready_by_k = policy.model_round(limits, accs, ["draft_model", "draft_model", None, "draft_model", "draft_model"])
     overall, positions = policy.acceptance_of("draft_model")
     prior = overall.rate(0.7, weight=1.0)
     rates = positions.rates(4, 0.7)
     h = policy.hit_rate("draft_model")
+    prepared = []
     for k in range(5):
         want, ready = 0.0, 1.0
         for lim, a in zip(limits, accs):
@@ -533,9 +575,16 @@ def test_the_models_expected_tokens_and_ready_chance_per_k_follow_their_formulas
             want += 1 + sum(runs)
             if lim:
                 ready *= (runs[-1] if runs else 1.0) * h
+        if mode == "adaptive" and ready < PREPARE_MIN_READY:
+            ready = 0.0
+        prepared.append(ready > 0)
         assert tokens[k] == pytest.approx(want, rel=1e-12)
+        assert ready_by_k[k] == pytest.approx(ready, rel=1e-12)
         want_s = policy.costs(5, k + 1) + policy.draft_cost("draft_model", 5, k, ready) + policy.overhead.get((5, k > 0), 0.0)
         assert seconds[k] == pytest.approx(want_s, rel=1e-12)
+    assert all(prepared[1:]) if mode == "fixed" else not any(prepared[1:])
+    _, _, alone = policy.model_round([4], accs[:1], ["draft_model"])  # one sequence: P is 0.1 or more
+    assert min(alone[1:]) >= PREPARE_MIN_READY
 
 
 def _guarded_run(on_rate: float, off_rate: float, b: int, gain: float, rounds: int, seed: int | None = None):

@@ -52,9 +52,9 @@ def start(stub, seq_id, prompt=(1, 2, 3), temperature=0.0):
                       timeout=10)
 
 
-def propose(stub, seq_id, new_tokens=(), k=3, round_=1):
-    return stub.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id=seq_id, round=round_,
-                                                                new_tokens=list(new_tokens), k=k)]), timeout=10)
+def propose(stub, seq_id, new_tokens=(), k=3, round_=1, skip_preparation=False):
+    return stub.Propose(pb.ProposeRequest(items=[pb.ProposeItem(seq_id=seq_id, round=round_, new_tokens=list(new_tokens),
+                                                                k=k, skip_preparation=skip_preparation)]), timeout=10)
 
 
 def code_of(fn):
@@ -570,6 +570,29 @@ def test_a_prepared_round_near_the_context_end_is_not_refused(stub):
     reply = propose(stub_, "edge", new_tokens=list(first.drafts[0].tokens) + [7], k=4, round_=2)  # L - 1 in all
     assert len(reply.drafts[0].tokens) == 4
     stub_.Release(pb.ReleaseRequest(seq_ids=["edge"]), timeout=10)
+
+
+def test_a_propose_that_skips_preparation_leaves_nothing_prepared_and_drafts_alike(stub):
+    """skip_preparation (the adaptive policy's ask where a preparation would rarely serve a whole
+    call): the drafter prepares nothing for that sequence, so the all-accepted outcome is drafted
+    on demand, to the same tokens; the same call without it is served from the preparation."""
+    stub_, _, servicer = stub
+    replies = {}
+    for skip in (False, True):
+        seq = f"skip{skip}"
+        start(stub_, seq)
+        first = propose(stub_, seq, k=3, skip_preparation=skip)
+        servicer.background.submit(lambda: None).result()  # a preparation after it, if any, has run
+        assert bool(servicer.proposer.ready.get(seq)) is not skip
+        guess = servicer.proposer.ready[seq][0].assumed if not skip else None
+        replies[skip] = first, guess
+    first, guess = replies[False]
+    assert list(replies[True][0].drafts[0].tokens) == list(first.drafts[0].tokens)
+    outcome = guess  # the outcome the drafter bet on, all drafts accepted: the same for both sequences
+    hits = {skip: propose(stub_, f"skip{skip}", new_tokens=outcome, k=3, round_=2).drafts[0] for skip in (False, True)}
+    assert hits[False].pipeline_hit and not hits[True].pipeline_hit
+    assert list(hits[False].tokens) == list(hits[True].tokens)
+    stub_.Release(pb.ReleaseRequest(seq_ids=["skipFalse", "skipTrue"]), timeout=10)
 
 
 def test_a_reply_left_unread_past_its_deadline_does_not_end_the_stream(stub, monkeypatch):

@@ -347,7 +347,7 @@ class RemoteProposer(Proposer):
             self.sent_at[item.seq_id] = now
         request = pb.ProposeRequest(items=[pb.ProposeItem(
             seq_id=self._wire_id(item.seq_id), round=self.rounds[item.seq_id], new_tokens=item.new_tokens, k=item.k,
-            min_confidence=item.min_confidence)
+            min_confidence=item.min_confidence, skip_preparation=not item.prepare)
             for item in items])
         try:
             self.client.send(request, sum(len(item.new_tokens) + item.k for item in items))

@@ -71,8 +71,9 @@ class SpecStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_pipeline_hits: int = 0  # rounds whose draft was ready from pipelined drafting
     rounds_by_k: list[int] = field(default_factory=list)  # rounds by the k the policy chose
-    # draft-model rounds right after a draft-model round, and pipeline hits among them, by the outcome
-    # of the round before: index a = drafts accepted then (the drafter prepares for "all accepted")
+    # draft-model rounds right after a draft-model round whose call asked the drafter to prepare the
+    # next (see policy.PREPARE_MIN_READY), and pipeline hits among them, by the outcome of the round
+    # before: index a = drafts accepted then (the drafter prepares for "all accepted")
     outcome_rounds: list[int] = field(default_factory=list)
     outcome_hits: list[int] = field(default_factory=list)
     drafts_by_method: dict[str, int] = field(default_factory=dict)  # drafted rounds by proposer
@@ -233,6 +234,8 @@ class Request:
     previous_accepted: int | None = None  # drafts accepted in its last drafted round
     previous_k: int = 0  # drafts in its last drafted round
     previous_drafted: bool = False  # whether its last round was drafted by the draft model
+    asked_prepare: bool = True  # whether the call that gave its current draft asked the drafter to prepare the next
+    previous_prepared: bool = True  # asked_prepare of its last drafted round
     fixed_k: bool = False  # always drafts k: a sampled request with its own seed (reproducible text)
     resting: bool = False  # joined while the drafter rests (`SpeculativeEngine._resting`): not started on it yet
     done: threading.Event = field(default_factory=threading.Event)
@@ -286,6 +289,7 @@ class SpeculativeEngine:
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
         self._early_got: dict[str, Draft] | None = None  # their drafts, once received
+        self._early_prepare = True  # whether that call asked the drafter to prepare the round after
         self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
@@ -838,9 +842,10 @@ class SpeculativeEngine:
                 req.stats.num_prepared_rounds += 1
                 req.stats.num_prepared_outcomes += draft.prepared
             drafted = bool(k) and via == "draft_model"
-            if k and req.previous_accepted is not None:
+            if k and req.previous_accepted is not None and req.previous_prepared:
                 # hits by the outcome of the round before, in the stats: draft-model rounds right after a
-                # draft-model round (after a plain or an n-gram round nothing was prepared to be ready)
+                # draft-model round that asked for a preparation (after a plain or an n-gram round, or
+                # one that asked for none, nothing was prepared to be ready)
                 if drafted and req.previous_drafted:
                     req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
                 # the policy's hit rate h learns from every drafted round after its last drafted round, as
@@ -849,7 +854,7 @@ class SpeculativeEngine:
                 if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
                     self.policy.observe_ready(via, draft.pipeline_hit)
             if k:
-                req.previous_accepted, req.previous_k = num_accepted, k
+                req.previous_accepted, req.previous_k, req.previous_prepared = num_accepted, k, req.asked_prepare
             req.previous_drafted = drafted
             emitted, stopped = done
             req.out += emitted
@@ -924,7 +929,8 @@ class SpeculativeEngine:
             emitted, stopped = done
             k = min(c, req.k, req.max_new_tokens - len(req.out) - len(emitted) - 1)
             if not stopped and k > 0:
-                items.append(ProposeItem(req.id, req.unsent + emitted, k, self.policy.min_confidence))
+                items.append(ProposeItem(req.id, req.unsent + emitted, k, self.policy.min_confidence,
+                                         prepare=self.policy.prepare))
         if not items:
             return {}
         try:
@@ -933,6 +939,7 @@ class SpeculativeEngine:
             self._proposer_failed(e)
             return {}
         self._early = {item.seq_id: item.k for item in items}
+        self._early_prepare = self.policy.prepare
         return self._early
 
     def _propose(self, running: list[Request], ks: list[int]) -> tuple[list[Draft], float]:
@@ -957,7 +964,8 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             try:
                 proposed = proposer.propose([ProposeItem(running[i].id, running[i].unsent, ks[i],
-                                                         self.policy.min_confidence) for i in rows])
+                                                         self.policy.min_confidence, prepare=self.policy.prepare)
+                                             for i in rows])
             except Exception as e:
                 if name != "draft_model":
                     raise
@@ -972,6 +980,7 @@ class SpeculativeEngine:
             for i, draft in zip(rows, proposed):
                 drafts[i] = draft
                 running[i].unsent = []
+                running[i].asked_prepare = self.policy.prepare
         return drafts, t_draft
 
     def _collect_early(self, running: list[Request], ks: list[int], drafts: list[Draft], served: set[int]) -> float:
@@ -992,6 +1001,7 @@ class SpeculativeEngine:
             d = got[running[i].id]
             drafts[i] = Draft(d.tokens[:ks[i]], d.probs[:ks[i]] if d.probs is not None else None,
                               pipeline_hit=d.pipeline_hit, prepared=d.prepared)
+            running[i].asked_prepare = self._early_prepare
         served.update(rows)
         self.early_drafts += len(rows)
         if rows:

@@ -31,7 +31,13 @@ sequences drafting k tokens each,
   all-accepted round (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
   before any is measured for one that does, so a fresh server does not start at k = 0). So
   D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
-  batches and short k, which is where pipelining pays;
+  batches and short k, which is where pipelining pays. Where P is below PREPARE_MIN_READY the
+  policy asks the drafter to prepare nothing for the round (`ProposeItem.prepare`; D = M then): a
+  preparation would almost never serve a whole call, and it is not free. It runs beside the
+  target's pass and delays the drafter's next call. In the eight batching runs committed before
+  stop 53, fixed k drafted sequentially ran at least as fast as pipelined at 8, 16 and 32
+  sequences in every run (by up to 0.17x of plain decoding) and at 4 in five of eight (the others
+  within 0.01x); pipelining was ahead at 1 and 2 sequences in every run;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
@@ -109,6 +115,7 @@ PRIOR_ACCEPTANCE = 0.7  # a draft position's acceptance before any is measured
 CATCH_UP_TOKENS = 16  # a non-drafting sequence's drafter is fed once this many tokens are unsent
 SETTLE_ROUNDS = 8  # plain rounds this soon after a drafting one neither calibrate nor time T(b, 1) (2 until stop 25)
 PRIOR_READY = 0.5  # h of a proposer that prepares drafts (pipelines), before any is measured (weight 1)
+PREPARE_MIN_READY = 0.1  # adaptive: a pipelining drafter prepares a round only if P(its every row ready) is this
 PROFILE_SETTLE = 2.0  # profile_drafter of a pipelining drafter: idle 2x each call's time before the next
 GUARD_DECAY = 0.99  # the guard: per round it measures at a batch size, of that mode's tokens and seconds there
 GUARD_MIN_ROUNDS = 8.0  # the guard compares the two modes at a batch size once each has this much weight there,
@@ -548,6 +555,8 @@ class SpeculationPolicy:
         self.guard = Guard()
         self.since_probed = SETTLE_ROUNDS + 1  # rounds since the last probe round
         self.round_mode: bool | None = None  # what the guard counts the round chosen last for (None: nothing)
+        self.prepare = True  # whether the drafter is asked to prepare the next round (see PREPARE_MIN_READY)
+        self.unprepared = 0  # drafting rounds that asked for no preparation
 
     # ------------------------------------------------------------------ choosing
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
@@ -557,6 +566,7 @@ class SpeculationPolicy:
         fixed: sequences that always draft their limit (a seeded sampled request, whose text
         must not depend on timings)."""
         self.predicted = self.round_mode = None
+        self.prepare = True
         if fixed and any(fixed):
             free = [i for i, f in enumerate(fixed) if not f]
             ks = list(limits)
@@ -580,7 +590,7 @@ class SpeculationPolicy:
             if settling:  # not speculating's: its measurement was dropped, a new stretch measures it afresh
                 self.round_mode = None
             return ks
-        tokens, seconds = self.model_round(limits, acceptance, proposers)
+        tokens, seconds, ready = self.model_round(limits, acceptance, proposers)
         cal = (self.calibration(b, False), self.calibration(b, True))
         rates = [t / s * cal[k > 0] for k, (t, s) in enumerate(zip(tokens, seconds))]
         best = max(range(1, len(rates)), key=rates.__getitem__)
@@ -607,6 +617,8 @@ class SpeculationPolicy:
             self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
             self._last_decision[bucket] = decision
             k = max(limits)
+        self.prepare = ready[k] >= PREPARE_MIN_READY
+        self.unprepared += k > 0 and not self.prepare
         return self._chose(limits, b, k, probe, seconds[k], (rates[0], rates[best]))
 
     def _chose(self, limits: list[int], b: int, k: int, probe: bool, model_seconds: float,
@@ -631,11 +643,14 @@ class SpeculationPolicy:
 
     def model_rates(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None]) -> list[float]:
         """The model's tokens per second of this batch for k = 0 .. max(limits) (uncalibrated)."""
-        return [t / s for t, s in zip(*self.model_round(limits, acceptance, proposers))]
+        tokens, seconds, _ = self.model_round(limits, acceptance, proposers)
+        return [t / s for t, s in zip(tokens, seconds)]
 
     def model_round(self, limits: list[int], acceptance: list[Acceptance],
-                    proposers: list[str | None]) -> tuple[list[float], list[float]]:
-        """The model's expected tokens and seconds of this batch's round for k = 0 .. max(limits)."""
+                    proposers: list[str | None]) -> tuple[list[float], list[float], list[float]]:
+        """The model's expected tokens and seconds of this batch's round for k = 0 .. max(limits),
+        and the chance that a pipelining proposer's call finds every row's draft ready (adaptive:
+        below PREPARE_MIN_READY nothing is prepared, and the round's drafting costs a miss)."""
         b = len(limits)
         top = max(limits)
         priors, position_rates = {}, {}  # per proposer: its acceptance, and per draft position
@@ -659,9 +674,14 @@ class SpeculationPolicy:
                 tokens_by_k[k] += total
                 if lim:
                     ready[k][p] *= run * hit[p]
+        if self.mode == "adaptive":
+            for by_p in ready:
+                for p in by_p:
+                    by_p[p] *= by_p[p] >= PREPARE_MIN_READY
         seconds_by_k = [max(self.costs(b, k + 1) + sum(self.draft_cost(p, b, k, ready[k][p]) for p in used)
                             + self.overhead.get((b, k > 0), 0.0), 1e-9) for k in range(top + 1)]
-        return tokens_by_k, seconds_by_k
+        ready_by_k = [max((by_p[p] for p in used if p in self.prepared), default=0.0) for by_p in ready]
+        return tokens_by_k, seconds_by_k, ready_by_k
 
     def acceptance_of(self, proposer: str | None) -> tuple[Acceptance, PositionalAcceptance]:
         """The proposer's acceptance over all sequences, and per draft position."""
@@ -760,6 +780,7 @@ class SpeculationPolicy:
                 "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
                 "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
                 "probes": self.probes,
+                "unprepared_rounds": self.unprepared,
                 "guard": self.guard.state(self.rounds),
                 "recent_choices_b_k_rate0_ratebest_probe": list(self.recent),
                 "calibration": {f"{b}{'+spec' if spec else ''}": round(c, 3)
