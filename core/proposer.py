@@ -36,7 +36,7 @@ class ProposeItem:
     new_tokens: list[int]  # committed since the previous propose (or since start)
     k: int  # at most this many drafts; 0: only take in new_tokens (stay caught up), draft nothing
     min_confidence: float = 0.0  # stop before a position whose top q is below this (see confidence_cut)
-    prepare: bool = True  # a pipelining drafter prepares this sequence's next round after answering
+    prepare: bool = True  # the drafter's gRPC server prepares this sequence's next round after answering
 
 
 def confidence_cut(top_probs: list[float], threshold: float) -> int:

@@ -848,9 +848,9 @@ class SpeculativeEngine:
                 # one that asked for none, nothing was prepared to be ready)
                 if drafted and req.previous_drafted:
                     req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
-                # the policy's hit rate h learns from every drafted round after its last drafted round, as
-                # before stop 49 (its effect on the policy's choices of leaving out rounds after plain ones
-                # was not measured)
+                # the policy's hit rate h learns from every drafted round after its last drafted round whose
+                # call asked for a preparation, as before stop 49 (its effect on the policy's choices of
+                # leaving out rounds after plain ones was not measured)
                 if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
                     self.policy.observe_ready(via, draft.pipeline_hit)
             if k:

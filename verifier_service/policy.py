@@ -31,10 +31,10 @@ sequences drafting k tokens each,
   all-accepted round (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
   before any is measured for one that does, so a fresh server does not start at k = 0). So
   D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
-  batches and short k, which is where pipelining pays. Where P is below PREPARE_MIN_READY the
-  policy asks the drafter to prepare nothing for the round (`ProposeItem.prepare`; D = M then): a
-  preparation would almost never serve a whole call, and it is not free. It runs beside the
-  target's pass and delays the drafter's next call. In the eight batching runs committed before
+  batches and short k, which is where pipelining pays. Where P is below PREPARE_MIN_READY (at
+  two sequences or more) the policy asks the drafter to prepare nothing for the round after
+  (`ProposeItem.prepare`; D = M there): a preparation would almost never serve a whole call, and
+  it is not free. It runs beside the target's pass and delays the drafter's next call. In the eight batching runs committed before
   stop 53, fixed k drafted sequentially ran at least as fast as pipelined at 8, 16 and 32
   sequences in every run (by up to 0.17x of plain decoding) and at 4 in five of eight (the others
   within 0.01x); pipelining was ahead at 1 and 2 sequences in every run;
@@ -556,6 +556,7 @@ class SpeculationPolicy:
         self.since_probed = SETTLE_ROUNDS + 1  # rounds since the last probe round
         self.round_mode: bool | None = None  # what the guard counts the round chosen last for (None: nothing)
         self.prepare = True  # whether the drafter is asked to prepare the next round (see PREPARE_MIN_READY)
+        self.prepare_last = True  # the last model-chosen round's flag
         self.unprepared = 0  # drafting rounds that asked for no preparation
 
     # ------------------------------------------------------------------ choosing
@@ -617,9 +618,18 @@ class SpeculationPolicy:
             self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
             self._last_decision[bucket] = decision
             k = max(limits)
-        self.prepare = ready[k] >= PREPARE_MIN_READY
-        self.unprepared += k > 0 and not self.prepare
-        return self._chose(limits, b, k, probe, seconds[k], (rates[0], rates[best]))
+        # the drafter prepares the round after this one, which drafts `best` (a probe's wider draft
+        # serves it) or nothing. One sequence always prepares, so that h stays measured: it learns
+        # from prepared rounds only, and would otherwise never recover from a low spell
+        was = self.prepare_last
+        pipelines = any(lim and p in self.prepared for p, lim in zip(proposers, limits))
+        self.prepare = self.prepare_last = not (k and pipelines) or \
+            (self.on and (b == 1 or ready[best] >= PREPARE_MIN_READY))
+        self.unprepared += not self.prepare
+        ks = self._chose(limits, b, k, probe, seconds[k], (rates[0], rates[best]))
+        if self.prepare != was:  # this round's call was prepared (or not) as the last round asked,
+            self.predicted = None  # not as the model costed it now: it calibrates nothing
+        return ks
 
     def _chose(self, limits: list[int], b: int, k: int, probe: bool, model_seconds: float,
                rates: tuple[float, float] | None, calibrates: bool = True) -> list[int]:
@@ -649,8 +659,9 @@ class SpeculationPolicy:
     def model_round(self, limits: list[int], acceptance: list[Acceptance],
                     proposers: list[str | None]) -> tuple[list[float], list[float], list[float]]:
         """The model's expected tokens and seconds of this batch's round for k = 0 .. max(limits),
-        and the chance that a pipelining proposer's call finds every row's draft ready (adaptive:
-        below PREPARE_MIN_READY nothing is prepared, and the round's drafting costs a miss)."""
+        and the chance that a pipelining proposer's call finds every row's draft ready (adaptive, at
+        two sequences or more: below PREPARE_MIN_READY nothing is prepared, and the round's
+        drafting costs a miss)."""
         b = len(limits)
         top = max(limits)
         priors, position_rates = {}, {}  # per proposer: its acceptance, and per draft position
@@ -674,7 +685,7 @@ class SpeculationPolicy:
                 tokens_by_k[k] += total
                 if lim:
                     ready[k][p] *= run * hit[p]
-        if self.mode == "adaptive":
+        if self.mode == "adaptive" and b > 1:  # (one sequence always prepares: see choose)
             for by_p in ready:
                 for p in by_p:
                     by_p[p] *= by_p[p] >= PREPARE_MIN_READY
