@@ -623,9 +623,10 @@ def test_serve_configs_agree():
         assert len({json.dumps(a["args"][key]) for a in apps.values()}) == 1, key
 
 
-def test_gpu_variant_requests_two_gpus_per_pair():
+def test_gpu_variant_requests_a_gpu_per_model():
     rs = _rayservice(GPU_RAYSERVICE)
     args = _serve_config(GPU_RAYSERVICE)["applications"][0]["args"]
+    per_pair = 1 if args.get("colocate") else 2  # GPUs a pair holds (colocated: the drafter on the target's)
     assert args["use_gpu"] in (True, None)
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"].get("num-gpus") == "0", "the head schedules no GPU work"
@@ -635,14 +636,14 @@ def test_gpu_variant_requests_two_gpus_per_pair():
     for g in gpu_groups:
         c = _ray_container(g)
         gpus = _gpus(c)
-        # One pair = a target and a drafter, one GPU each, packed on one pod.
-        assert gpus >= 2 and gpus % 2 == 0, f"{g['groupName']}: {gpus} GPUs per pod"
+        # One pair = a target and a drafter, one GPU each, packed on one pod (colocated: one GPU)
+        assert gpus >= per_pair and gpus % per_pair == 0, f"{g['groupName']}: {gpus} GPUs per pod"
         req = c["resources"].get("requests", {}).get("nvidia.com/gpu")
         assert req is None or int(_quantity(req)) == gpus, "extended resources: request must equal limit"
         assert "num-gpus" not in g["rayStartParams"] or int(g["rayStartParams"]["num-gpus"]) == gpus
         cpus = _quantity(g["rayStartParams"].get("num-cpus", c["resources"]["limits"]["cpu"]))
-        assert cpus >= (gpus // 2) * 2 * args["cpus_per_actor"], "room for the pair's target replica and drafter"
-    capacity = sum(g["maxReplicas"] * (_gpus(_ray_container(g)) // 2) for g in gpu_groups)
+        assert cpus >= gpus * args["cpus_per_actor"], "room for the pairs' target replicas and drafters"
+    capacity = sum(g["maxReplicas"] * (_gpus(_ray_container(g)) // per_pair) for g in gpu_groups)
     assert capacity >= args["num_pairs"], f"maxReplicas allows {capacity} pairs, num_pairs is {args['num_pairs']}"
 
 
