@@ -257,7 +257,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self.versions[item.seq_id] += 1
                 self.last_call[item.seq_id] = now
             self._reclaim_idle(now)
-            versions = {item.seq_id: self.versions[item.seq_id] for item in items if item.prepare}
+            versions = {item.seq_id: self.versions[item.seq_id] for item in items if item.prepare and item.k}
         if self.pipeline and versions:
             self.background.submit(self._speculate, versions)
         qs = _to_host([d.probs for d in drafts])

@@ -394,9 +394,43 @@ def test_a_release_is_not_waited_for_and_a_start_after_it_finds_it_applied(stub,
         remote._read_releases(wait=True)
     assert "release of 1 sequences failed" in caplog.text
     monkeypatch.setattr(servicer, "_drain_releases", real)
-    stub[0].Release(pb.ReleaseRequest(seq_ids=["r4.0"]), timeout=10)
-    stub[0].Info(pb.InfoRequest(), timeout=10)  # (the lock's next holder applies what is left)
+    stub[0].Info(pb.InfoRequest(), timeout=10)  # (the lock's next holder applies what the handler took note of)
     assert not {"r1.0", "r2.0", "r3.0", "r4.0"} & servicer.inner.seqs.keys()
+
+    class Lost:  # a Release that fails before the drafter takes note of its ids (as if lost on the way)
+        def __enter__(self):
+            raise RuntimeError("lost")
+
+        def __exit__(self, *exc):
+            return False
+    remote.start("r5", [8], SamplingParams())
+    lock = servicer.release_lock
+    monkeypatch.setattr(servicer, "release_lock", Lost())
+    remote.release_many(["r5"])
+    remote._read_releases(wait=True)
+    monkeypatch.setattr(servicer, "release_lock", lock)
+    assert "r5.0" in servicer.inner.seqs  # not released: until stop 53 it stayed until the drafter's TTL
+    remote.start("r6", [9], SamplingParams())
+    remote.release_many(["r6"])  # r5 goes out again with it
+    remote._read_releases(wait=True)
+    stub[0].Info(pb.InfoRequest(), timeout=10)
+    assert not {"r5.0", "r6.0"} & servicer.inner.seqs.keys()
+    remote.client.close()
+
+
+def test_a_reply_that_does_not_decode_is_the_drafters_fault(stub):
+    """A Propose reply with a q that does not decode, or too few drafts, fails the drafter
+    (DrafterUnavailable, naming it), not the request (a ValueError is the request's fault)."""
+    from specserve.core.proposer import ProposeItem
+    from specserve.verifier.client import DrafterUnavailable, RemoteProposer
+    remote = RemoteProposer(stub[2].address)
+    item = ProposeItem("x", [], 2)
+    bad_q = pb.Distribution(packed=b"\0" * 12)  # three float32 values for a vocabulary of 64
+    good = pb.Draft(seq_id=remote._wire_id("x"), round=1, tokens=[1, 2], q=[bad_q, bad_q])
+    with pytest.raises(DrafterUnavailable, match="does not decode"):
+        remote._check([item], [1], pb.ProposeReply(drafts=[good]))
+    with pytest.raises(DrafterUnavailable, match="answered 0 drafts to 1"):
+        remote._check([item], [1], pb.ProposeReply(drafts=[]))
     remote.client.close()
 
 

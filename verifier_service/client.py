@@ -150,7 +150,8 @@ class ProposeStream:
         self.replies = stub.ProposeStream(iter(self.requests.get, None))
         self.pending: deque[tuple[float, float]] = deque()  # (send time, allowed seconds), oldest first
         self.expired: float | None = None  # the allowance that was missed, once the watchdog cancelled
-        self.receiving: float | None = None  # when the `receive` now waiting began (None: none waits)
+        # the `receive` now waiting: when it began, and the request it waits for (None: none waits)
+        self.receiving: tuple[float, tuple[float, float]] | None = None
         self.closed = threading.Event()
         threading.Thread(target=self._watch, name="propose-stream-watchdog", daemon=True).start()
 
@@ -159,7 +160,7 @@ class ProposeStream:
         self.requests.put(request)
 
     def receive(self):
-        self.receiving = time.monotonic()
+        self.receiving = (time.monotonic(), self.pending[0]) if self.pending else None
         try:
             reply = next(self.replies)
         except StopIteration:
@@ -175,12 +176,11 @@ class ProposeStream:
 
     def _watch(self) -> None:
         while not self.closed.wait(self.WATCH_S):
-            waiting = self.receiving
-            try:
-                sent, seconds = self.pending[0]
-            except IndexError:
+            waiting = self.receiving  # (read once: the start and the request of one wait, never of two)
+            if waiting is None:
                 continue
-            if waiting is not None and time.monotonic() - max(sent, waiting) > seconds:
+            began, (sent, seconds) = waiting
+            if time.monotonic() - max(sent, began) > seconds:
                 self.expired = seconds
                 self.replies.cancel()
                 return
@@ -287,7 +287,8 @@ class RemoteProposer(Proposer):
                 pb.StartItem(seq_id=w, prompt_ids=prompt_ids, sampling=sampling_to_proto(params))
                 for w, (_, prompt_ids, params) in zip(wire, items)]), sum(len(p) for _, p, _ in items), settle=False)
         except DrafterUnavailable:  # a missed deadline: the drafter may start them all the same, later. Released
-            self._orphans.extend(wire)  # once it is back (until stop 50 they held its slots for its TTL)
+            with self._releases_lock:  # once it is back (until stop 50 they held its slots for its TTL)
+                self._orphans.extend(wire)
             raise
         now = time.monotonic()
         for seq_id, _, _ in items:
@@ -358,11 +359,17 @@ class RemoteProposer(Proposer):
     def _check(self, items: list[ProposeItem], rounds: list[int], reply) -> list[Draft]:
         """The drafts of a reply, checked against what was asked."""
         drafts = []
-        for item, r, d in zip(items, rounds, reply.drafts, strict=True):
+        if len(reply.drafts) != len(items):
+            raise DrafterUnavailable(f"drafter at {self.client.address} answered {len(reply.drafts)} drafts to "
+                                     f"{len(items)} sequences")
+        for item, r, d in zip(items, rounds, reply.drafts):
             if d.seq_id != self._wire_id(item.seq_id) or d.round != r or len(d.tokens) > item.k:
                 raise DrafterUnavailable(f"drafter answered ({d.seq_id}, round {d.round}, {len(d.tokens)} tokens) "
                                          f"to ({item.seq_id}, round {r}, k={item.k})")
-            probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
+            try:
+                probs = torch.stack([q_from_proto(q, self.vocab_size) for q in d.q]) if d.q else None
+            except (ValueError, RuntimeError) as e:  # (the drafter's fault: a ValueError means the request's)
+                raise DrafterUnavailable(f"drafter at {self.client.address} sent a q that does not decode: {e}") from None
             drafts.append(Draft(list(d.tokens), probs, pipeline_hit=d.pipeline_hit, prepared=d.prepared))
         return drafts
 
@@ -382,15 +389,17 @@ class RemoteProposer(Proposer):
         in_flight = {item.seq_id for items, _, _ in self._unanswered for item in items}
         if not in_flight.isdisjoint(known):
             self._settle()
-        wire = [self._wire_id(s) for s in known]
+        with self._releases_lock:  # (with those whose Release failed before: sent again)
+            wire, self._orphans = [self._wire_id(s) for s in known] + self._orphans, []
         future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=wire))
         with self._releases_lock:
             self._releases.append((future, wire))
 
     def _read_releases(self, wait: bool) -> None:
         """Reads the answers to the Releases sent (wait=False: those already in). A Release that
-        failed is logged: its sequences are reclaimed on the drafter after their TTL, and a
-        drafter that is gone fails the next Propose."""
+        failed is logged, and its sequences go out again with the next Release (or, once a lost
+        drafter is back, with the orphans); until stop 53 they held the drafter's slots for its
+        TTL, and a drafter that is gone fails the next Propose."""
         with self._releases_lock:
             sent, self._releases = self._releases, []
             if not wait:
@@ -400,7 +409,9 @@ class RemoteProposer(Proposer):
             try:
                 future.result()
             except grpc.RpcError as e:
-                log.warning("release of %d sequences failed: %s", len(ids), self._error("Release", e))
+                log.warning("release of %d sequences failed (sent again later): %s", len(ids), self._error("Release", e))
+                with self._releases_lock:
+                    self._orphans.extend(ids)
 
     # ---------------------------------------------------------------- failure and recovery
     def abandon(self, seq_ids: list[str]) -> None:
