@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from specserve.training.demo_pair import heldout_prompts
 
@@ -218,7 +219,7 @@ def bench_distributed(args) -> dict:
     spec = SpeculativeEngine(target, DraftModelProposer(drafter))
     t1 = time_target_pass(target, prompts[0], 1)
     tk1 = time_target_pass(target, prompts[0], args.k + 1)
-    fanouts = [int(f) for f in args.fanout.split(",")]
+    fanouts = args.fanout
     prepare_ms = time_preparation(drafter_path, prompts[0], args.k, sorted({1, *fanouts}), dtype=args.dtype)
 
     def distributed(pipeline, fanout=1):
@@ -308,7 +309,7 @@ def bench_batching(args) -> dict:
 
     model_dir = Path(args.models)
     target_path, drafter_path = str(model_dir / "target"), str(model_dir / "drafter")
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     per_run = {c: max(args.waves * c, args.min_requests) for c in levels}  # requests per run of a level
     prompts = heldout_prompts(model_dir, max(per_run.values()), args.prompt_tokens, load_tokenizer(target_path))
     modes = {"plain": (False, 0, "fixed"), "speculative, sequential": (False, args.k, "fixed"),
@@ -591,9 +592,9 @@ def main(argv=None) -> int:
         q.add_argument("--repeats", type=int, default=3)
         add_dtype_arg(q)
     d.add_argument("--prompts", type=int, default=10)
-    d.add_argument("--fanout", default="2,3", help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
+    d.add_argument("--fanout", type=int_list, default=[2, 3], help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
     d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
-    b.add_argument("--concurrency", default="1,2,4,8,16,32")
+    b.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32])
     b.add_argument("--waves", type=int, default=4,
                    help="requests per level and run: this many times the concurrency (one wave ends in a drain "
                         "that plain decoding of equal-length requests never has: see docs/benchmarks/README.md)")

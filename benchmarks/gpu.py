@@ -242,12 +242,16 @@ def main(argv=None) -> int:
     try:
         fanouts = [int(f) for f in (args.fanouts or ("1,2" if args.dry_run else "1,4,8")).split(",")]
         for f in fanouts:
-            SpecServeConfig(pipeline=True, fanout=f)
-    except ValueError as e:
-        print(f"specserve bench gpu: error: --fanouts: {e}", file=sys.stderr)
+            SpecServeConfig(pipeline=True, fanout=f, k=args.k)
+    except ValueError as e:  # (before any stage runs: until stop 53 a bad -k failed every stage, one by one)
+        print(f"specserve bench gpu: error: --fanouts / -k: {e}", file=sys.stderr)
         return 2
-    n = args.prompts or (2 if args.dry_run else 10)
-    max_tokens = args.max_tokens or (16 if args.dry_run else 128)
+    n = args.prompts if args.prompts is not None else (2 if args.dry_run else 10)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (16 if args.dry_run else 128)
+    if n < 1 or max_tokens < 1:
+        print(f"specserve bench gpu: error: --prompts and --max-tokens must be >= 1, got {n} and {max_tokens}",
+              file=sys.stderr)
+        return 2
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     if args.dry_run:

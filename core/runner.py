@@ -34,6 +34,8 @@ class ModelLoadError(ValueError):
 
 def load_tokenizer(path: str):
     _check_dir(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelLoadError(f"model path {path!r} has no tokenizer (tokenizer.json)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here
@@ -160,6 +162,13 @@ def use_compile_cache() -> None:
     path = compile_cache_dir()
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+
+
+def check_weights(path: str) -> None:
+    """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded): checked
+    before a server starts actors that would fail to load it."""
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
 
 
 def same_tokenizer(a, b) -> bool:

@@ -22,13 +22,16 @@ from typing import Callable
 
 from specserve.config import SpecServeConfig
 from specserve.core.draft_vocab import resolve as draft_vocab_ids
-from specserve.core.runner import ModelRunner, load_tokenizer, same_tokenizer
+from specserve.core.runner import ModelRunner, check_weights, load_tokenizer, same_tokenizer
 
 
 def check_pair(cfg: SpecServeConfig):
     """Raises ModelLoadError for a folder that does not load and ValueError for a drafter whose
     tokenizer differs from the target's. Returns the target's tokenizer."""
     tokenizer = load_tokenizer(cfg.target)
+    for path in (cfg.target, cfg.drafter):
+        if path is not None:
+            check_weights(path)
     if cfg.drafter is not None and not same_tokenizer(tokenizer, load_tokenizer(cfg.drafter)):
         raise ValueError(f"the drafter's tokenizer ({cfg.drafter}) differs from the target's ({cfg.target}); "
                          "speculative decoding needs one shared vocabulary")

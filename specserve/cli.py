@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -108,8 +109,9 @@ def cmd_generate(args) -> int:
                        "--method none) has none: drop --distributed")
     if args.distributed and method not in (None, "draft_model"):
         raise CLIError("--method ngram runs in process: drop --distributed")
-    if args.threads < 0:
-        raise CLIError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+    if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):
+        raise CLIError(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0: torch's default; this machine has "
+                       f"{os.cpu_count()} CPUs), got {args.threads}")
     if args.distributed and args.threads:  # (it set the driver's threads, which run no model: ignored until stop 51)
         raise CLIError("--threads is for in-process generation: --distributed actors run one torch thread each")
     if args.no_pipeline and not args.distributed:
@@ -179,7 +181,7 @@ def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
     try:
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise CLIError(f"cannot read config {path!r}: {e}") from None
     http: dict = {}
     unused: list[str] = []
@@ -237,6 +239,8 @@ def serve_settings(args) -> tuple[dict, str, int]:
         raise CLIError("--drafter given without --target")                            # target, silently)
     if not _is_port(port):
         raise CLIError(f"the port must be an integer in [1, 65535], got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise CLIError(f"the host must be a non-empty string, got {host!r}")
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
                 "colocate", "draft_vocab"):
         if getattr(args, key) is not None:
@@ -255,7 +259,8 @@ def _is_port(port) -> bool:
 
 def _port_taken(host: str, port: int) -> str | None:
     """Why this machine cannot listen at (host, port), or None: Serve's proxy binds it in an actor
-    of its own, and a port in use left `serve` saying it served while nothing of ours listened."""
+    of its own, and a port in use left `serve` saying it served while nothing of ours listened.
+    A port in use says so, with a hint."""
     import socket
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -263,7 +268,10 @@ def _port_taken(host: str, port: int) -> str | None:
         try:
             s.bind((host, port))
         except OSError as e:
-            return e.strerror or str(e)
+            why = e.strerror or str(e)
+            return f"{why} (another server? pass --port)" if e.errno == errno.EADDRINUSE else why
+        except (UnicodeError, ValueError) as e:  # (a host name socket cannot take at all)
+            return str(e)
     return None
 
 
@@ -286,7 +294,7 @@ def cmd_serve(args) -> int:
     from specserve.cluster.serve_app import build_app
     taken = _port_taken(host, port) if starts_ray() else None  # (a cluster joined may run Serve's proxy there)
     if taken:
-        raise CLIError(f"cannot listen at {host}:{port}: {taken} (another server? pass --port)")
+        raise CLIError(f"cannot listen at {host}:{port}: {taken}")
     fresh = ensure_ray()
     have = ray.cluster_resources()
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
@@ -351,7 +359,10 @@ def _bounded(fn, seconds: float) -> bool:
 
 def cmd_make_tiny_pair(args) -> int:
     make_tiny_pair = _import("specserve.training.tiny").make_tiny_pair
-    target, drafter = make_tiny_pair(args.out, seed=args.seed)
+    try:
+        target, drafter = make_tiny_pair(args.out, seed=args.seed)
+    except OSError as e:
+        raise CLIError(f"cannot write the pair to {args.out!r}: {e}") from None
     print(f"wrote {target} and {drafter}")
     return 0
 
@@ -442,7 +453,11 @@ def main(argv=None) -> int:
         quiet_transformers()
         argv = sys.argv[1:] if argv is None else list(argv)
         if argv and argv[0] in PASSTHROUGH:
-            return _import(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0
+            from specserve.core.runner import ModelLoadError
+            try:
+                return _import(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0
+            except ModelLoadError as e:  # a model folder that does not load (until stop 53 a traceback)
+                raise CLIError(f"{argv[0]}: {e}") from None
         args = build_parser().parse_args(argv)
         return args.func(args)
     except CLIError as e:

@@ -150,8 +150,28 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
     tokenizer) until stop 47."""
     bad_config = tmp_path / "serve.yaml"
     bad_config.write_text("applications: [foo]\n")
+    # stop 53: a config not in UTF-8, a host that is no string, a model folder without weights or
+    # tokenizer (serve reached Ray with them), an unwritable tiny pair, --threads 99999 (a segfault)
+    not_utf8, int_host = tmp_path / "latin1.yaml", tmp_path / "host.yaml"
+    not_utf8.write_bytes(b"\xff\xfeapplications: []\n")
+    int_host.write_text("http_options: {host: 1234}\napplications:\n  - name: specserve\n    args: {}\n")
+    import shutil
+    no_weights, no_tokenizer = tmp_path / "no_weights", tmp_path / "no_tokenizer"
+    for folder, skip in ((no_weights, ".safetensors"), (no_tokenizer, "tokenizer.json")):
+        shutil.copytree(tiny_pair_dir["target"], folder, ignore=lambda d, names: [n for n in names if n.endswith(skip)])
     for argv, message in (
-            (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be >= 0"),
+            (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be in [0, "),
+            (["generate", "--threads", "99999", "--prompt", "x"], "--threads must be in [0, "),
+            (["serve", "--config", str(not_utf8)], "cannot read config"),
+            (["serve", "--config", str(int_host)], "the host must be a non-empty string"),
+            (["serve", "--target", str(no_weights), "--no-speculation"], "has no weights"),
+            (["serve", "--target", str(no_tokenizer), "--no-speculation"], "has no tokenizer"),
+            (["make-tiny-pair", "/proc/no/such/place"], "cannot write the pair"),
+            (["bench", "batching", "--concurrency", "1,x"], "expected comma-separated integers"),
+            (["bench", "distributed", "--models", str(tmp_path / "none")], "is not a directory"),
+            (["bench", "gpu", "--dry-run", "-k", "99"], "k must be an integer in [0, 16]"),
+            (["bench", "gpu", "--dry-run", "--prompts", "0"], "--prompts and --max-tokens must be >= 1"),
+            (["eval-demo", "--ks", "a"], "--ks must be a comma-separated list"),
             (["serve", "--target", tiny_pair_dir["target"]], "--drafter is required with --target"),
             (["serve", "--config", str(bad_config)], "applications must be a list of mappings"),
             # stop 51: a seed past the wire's uint64 ran a distributed request without speculation, silently;

@@ -303,7 +303,10 @@ def markdown(report: dict) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 def _ks(s: str) -> list[int]:
-    ks = [int(x) for x in s.split(",") if x.strip()]
+    try:
+        ks = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        ks = []
     if not ks or any(k < 1 for k in ks):
         raise argparse.ArgumentTypeError(f"--ks must be a comma-separated list of integers >= 1, got {s!r}")
     return ks
