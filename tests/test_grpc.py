@@ -418,6 +418,41 @@ def test_a_release_is_not_waited_for_and_a_start_after_it_finds_it_applied(stub,
     remote.client.close()
 
 
+def test_a_drafter_that_answers_in_another_protocol_is_said_once_and_not_restarted(monkeypatch, caplog):
+    """After a failure the client reconnects. A drafter that answers in another protocol (a rolling
+    upgrade) is an error said once and retried, not a silent drafter restarted every hang_s (until
+    stop 53 its reconnect counted it as silence and restarted it, and said so as a hang); once
+    the protocol fits again, the client reconnects."""
+    import time
+
+    import specserve.drafter.server as drafter_server
+    from conftest import eventually
+    from specserve.proto.codec import PROTOCOL_VERSION
+    from specserve.verifier.client import RemoteProposer
+    server, port, _ = serve(tiny_model("llama", V, seed=0), host="127.0.0.1", pipeline=True)
+    restarts = []
+
+    class Handle:  # what the client asks of the drafter's actor handle: its process, and a restart
+        def running(self):
+            return os.getpid()
+
+        def restart(self):
+            restarts.append(time.monotonic())
+    try:
+        remote = RemoteProposer(f"127.0.0.1:{port}", drafter=Handle(), hang_s=0.2)
+        monkeypatch.setattr(drafter_server, "PROTOCOL_VERSION", PROTOCOL_VERSION - 1)
+        with caplog.at_level("WARNING", logger="specserve.verifier.client"):
+            remote.mark_failed(RuntimeError("lost"))
+            time.sleep(2.0)  # three tries (0.25, 0.5, 1 s apart)
+        assert not restarts and caplog.text.count(f"speaks protocol {PROTOCOL_VERSION - 1}") == 1, caplog.text
+        monkeypatch.setattr(drafter_server, "PROTOCOL_VERSION", PROTOCOL_VERSION)
+        assert eventually(lambda: remote._fresh is not None, within_s=8.0)
+        remote._fresh.close()
+        remote.client.close()
+    finally:
+        server.stop(0)
+
+
 def test_a_reply_that_does_not_decode_is_the_drafters_fault(stub):
     """A Propose reply with a q that does not decode, or too few drafts, fails the drafter
     (DrafterUnavailable, naming it), not the request (a ValueError is the request's fault)."""

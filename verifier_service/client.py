@@ -67,6 +67,10 @@ class DrafterUnavailable(RuntimeError):
     """The drafter did not answer (connection lost, deadline missed, internal error)."""
 
 
+class IncompatibleDrafter(RuntimeError):
+    """The drafter answers but cannot serve this verifier (another protocol, another vocabulary)."""
+
+
 class DrafterClient:
     """One channel to one drafter server."""
 
@@ -82,8 +86,8 @@ class DrafterClient:
             raise
         if self.info.protocol_version != PROTOCOL_VERSION:
             self.channel.close()
-            raise RuntimeError(f"the drafter at {address} speaks protocol {self.info.protocol_version}, "
-                               f"this verifier {PROTOCOL_VERSION}")
+            raise IncompatibleDrafter(f"the drafter at {address} speaks protocol {self.info.protocol_version}, "
+                                      f"this verifier {PROTOCOL_VERSION}")
 
         self.stream: ProposeStream | None = None
 
@@ -442,11 +446,22 @@ class RemoteProposer(Proposer):
         (loading its model, however long) is waited for."""
         # the drafter's process (by pid) silent since the failure, and the one restarted last
         watched = self.drafter.running() if self.drafter is not None else None
-        silent_since, restarted = time.monotonic(), None
+        silent_since, restarted, refused = time.monotonic(), None, None
         while True:
             time.sleep(delay)
             try:
                 client = DrafterClient(self.resolve())
+                if client.info.vocab_size != self.vocab_size:
+                    client.close()
+                    raise IncompatibleDrafter(f"the drafter at {client.address} has a vocabulary of "
+                                              f"{client.info.vocab_size}, the target {self.vocab_size}")
+            except IncompatibleDrafter as e:  # it answers: no hang to restart it for (until stop 53 it was
+                if str(e) != refused:  # restarted every hang_s, as if silent); said once, then retried
+                    log.error("%s; speculating resumes once a drafter that fits is back", e)
+                    refused = str(e)
+                silent_since = time.monotonic()
+                delay = min(2 * delay, 5.0)
+                continue
             except Exception as e:
                 if self.drafter is not None:
                     pid = self.drafter.running()
@@ -463,9 +478,6 @@ class RemoteProposer(Proposer):
                         self.restarts += 1
                         restarted = pid
                 delay = min(2 * delay, 5.0)
-                continue
-            if client.info.vocab_size != self.vocab_size:
-                client.close()
                 continue
             self._fresh = client
             return
