@@ -54,6 +54,9 @@ class Metrics:
         self.guard_keepings = Gauge("specserve_spec_decode_guard_keepings", "Times the adaptive policy's guard kept "
                                     "speculation on where it measured it clearly ahead, summed over pairs since each "
                                     "started", registry=r)
+        self.unprepared = Gauge("specserve_spec_decode_unprepared_rounds", "Drafting rounds whose call asked the "
+                                "pipelining drafter to prepare nothing (the next call was unlikely to find every "
+                                "draft ready), summed over pairs since each started", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("specserve_inter_token_latency_seconds", "Time between output tokens", registry=r,
@@ -94,6 +97,7 @@ class Metrics:
         self.guard_vetoes.set(sum(x.get("guard_vetoes", 0) for x in loads))
         self.guard_holds.set(sum(x.get("guard_holds", 0) for x in loads))
         self.guard_keepings.set(sum(x.get("guard_keepings", 0) for x in loads))
+        self.unprepared.set(sum(x.get("unprepared_rounds", 0) for x in loads))
         return generate_latest(self.registry)
 
 

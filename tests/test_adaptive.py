@@ -895,7 +895,7 @@ def test_the_policy_gauges_follow_its_guard_and_choices():
     """`SpeculationPolicy.gauges` (what /metrics shows): fixed always drafts; adaptive drafts
     when its last chosen round did; a veto of the guard counts and holds."""
     assert SpeculationPolicy("fixed").gauges() == {"speculating": 1, "guard_vetoes": 0, "guard_holds": 0,
-                                                     "guard_keepings": 0}
+                                                     "guard_keepings": 0, "unprepared_rounds": 0}
     policy = SpeculationPolicy("adaptive", PassCosts({(1, w): 0.01 for w in range(1, 6)}))
     policy.prepared.add("draft_model")
     ks = policy.choose([4], [Acceptance()], ["draft_model"])

@@ -340,11 +340,13 @@ def test_the_speculation_policy_state_in_metrics(server, client):
     client.completions.create(model=MODEL, prompt="import sys", max_tokens=8, temperature=0)
     text = httpx.get(server + "/metrics", timeout=30).text
     for name in ("specserve_spec_decode_policy_speculating", "specserve_spec_decode_guard_vetoes",
-                 "specserve_spec_decode_guard_holds", "specserve_spec_decode_guard_keepings"):
+                 "specserve_spec_decode_guard_holds", "specserve_spec_decode_guard_keepings",
+                 "specserve_spec_decode_unprepared_rounds"):
         assert re.search(rf"^{name} ", text, re.M), name
     assert metric(server, "specserve_spec_decode_policy_speculating") in (0.0, 1.0)
     assert metric(server, "specserve_spec_decode_guard_holds") in (0.0, 1.0)
-    for name in ("specserve_spec_decode_guard_vetoes", "specserve_spec_decode_guard_keepings"):
+    for name in ("specserve_spec_decode_guard_vetoes", "specserve_spec_decode_guard_keepings",
+                 "specserve_spec_decode_unprepared_rounds"):
         count = metric(server, name)
         assert count >= 0 and count == int(count), name
 

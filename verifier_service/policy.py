@@ -772,10 +772,12 @@ class SpeculationPolicy:
     def gauges(self) -> dict[str, int]:
         """For /metrics: whether the policy drafts now (adaptive: the last round it chose for
         drafted; fixed: always), the guard's vetoes so far, whether a veto (or a trial of plain
-        rounds) holds now at some batch size, and the times the guard kept speculation on."""
+        rounds) holds now at some batch size, the times the guard kept speculation on, and the
+        drafting rounds that asked a pipelining drafter to prepare nothing."""
         holds = any(end > self.rounds for end in [*self.guard.until.values(), *self.guard.trial_until.values()])
         return {"speculating": int(self.mode == "fixed" or self.last_round_k > 0),
-                "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds), "guard_keepings": self.guard.keepings}
+                "guard_vetoes": self.guard.vetoes, "guard_holds": int(holds), "guard_keepings": self.guard.keepings,
+                "unprepared_rounds": self.unprepared}
 
     def state(self) -> dict:
         """What the policy believes now (for operators and benchmarks): times in ms."""
