@@ -37,6 +37,7 @@ import torch
 
 from specserve.benchmarks.bench import round_split_table
 from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile-row", action="store_true",
                    help="skip the compiled (CUDA graphs) bfloat16 row (a dry run skips it unless --compile-row)")
     p.add_argument("--compile-row", action="store_true", help="with --dry-run: run the compiled row too")
-    p.add_argument("--fanouts", default=None, help="fan-outs to sweep, comma-separated (default 1,4,8; dry run: 1,2)")
+    p.add_argument("--fanouts", type=int_list, default=None, help="fan-outs to sweep, comma-separated (default 1,4,8; dry run: 1,2)")
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"which parts to run, comma-separated, of {','.join(STAGES)} (default: all; one GPU "
                         "lent for minutes may not run them all)")
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
         print("specserve bench gpu: error: no CUDA GPU visible (use --dry-run on a CPU)", file=sys.stderr)
         return 2
     try:
-        fanouts = [int(f) for f in (args.fanouts or ("1,2" if args.dry_run else "1,4,8")).split(",")]
+        fanouts = args.fanouts or ([1, 2] if args.dry_run else [1, 4, 8])
         for f in fanouts:
             SpecServeConfig(pipeline=True, fanout=f, k=args.k)
     except ValueError as e:  # (before any stage runs: until stop 53 a bad -k failed every stage, one by one)

@@ -32,13 +32,17 @@ class ModelLoadError(ValueError):
     """A model or tokenizer path that cannot be loaded."""
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")  # (a folder with none of them: said so, not transformers' long guess)
+
+
 def load_tokenizer(path: str):
     _check_dir(path)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelLoadError(f"model path {path!r} has no tokenizer (tokenizer.json)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here
+        if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise ModelLoadError(f"model path {path!r} has no tokenizer (tokenizer.json)") from None
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from None
 
 
@@ -167,6 +171,7 @@ def use_compile_cache() -> None:
 def check_weights(path: str) -> None:
     """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded): checked
     before a server starts actors that would fail to load it."""
+    _check_dir(path)
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
 

@@ -28,10 +28,10 @@ from specserve.core.runner import ModelRunner, check_weights, load_tokenizer, sa
 def check_pair(cfg: SpecServeConfig):
     """Raises ModelLoadError for a folder that does not load and ValueError for a drafter whose
     tokenizer differs from the target's. Returns the target's tokenizer."""
-    tokenizer = load_tokenizer(cfg.target)
     for path in (cfg.target, cfg.drafter):
         if path is not None:
             check_weights(path)
+    tokenizer = load_tokenizer(cfg.target)
     if cfg.drafter is not None and not same_tokenizer(tokenizer, load_tokenizer(cfg.drafter)):
         raise ValueError(f"the drafter's tokenizer ({cfg.drafter}) differs from the target's ({cfg.target}); "
                          "speculative decoding needs one shared vocabulary")

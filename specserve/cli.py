@@ -179,7 +179,7 @@ def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
         return {}, {}, []
     import yaml
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise CLIError(f"cannot read config {path!r}: {e}") from None
@@ -270,7 +270,7 @@ def _port_taken(host: str, port: int) -> str | None:
         except OSError as e:
             why = e.strerror or str(e)
             return f"{why} (another server? pass --port)" if e.errno == errno.EADDRINUSE else why
-        except (UnicodeError, ValueError) as e:  # (a host name socket cannot take at all)
+        except ValueError as e:  # (a host name socket cannot take at all, UnicodeError among them)
             return str(e)
     return None
 

@@ -617,6 +617,9 @@ def test_the_policy_asks_for_preparation_only_where_a_round_after_can_use_it():
     assert max(choose(policy, 8)) > 0 and not policy.prepare and policy.predicted is not None
     assert policy.state()["unprepared_rounds"] == 2
     assert max(choose(policy, 1)) > 0 and policy.prepare and policy.predicted is None
+    seeded = policy.choose([4] * 8, [Acceptance(accepted=9.0, trials=10.0)] * 8, ["draft_model"] * 8,
+                           [True] + [False] * 7)  # a seeded row drafts its k for sure: its drafter prepares
+    assert seeded[0] == 4 and policy.prepare and policy.unprepared == 2
     other = policy_for(pipelining=False)
     for b in (1, 8, 8):
         assert max(choose(other, b)) > 0 and other.prepare

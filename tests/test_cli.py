@@ -167,6 +167,7 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--target", str(no_weights), "--no-speculation"], "has no weights"),
             (["serve", "--target", str(no_tokenizer), "--no-speculation"], "has no tokenizer"),
             (["make-tiny-pair", "/proc/no/such/place"], "cannot write the pair"),
+            (["serve", "--target", tiny_pair_dir["target"], "--drafter", str(tmp_path / "none")], "is not a directory"),
             (["bench", "batching", "--concurrency", "1,x"], "expected comma-separated integers"),
             (["bench", "distributed", "--models", str(tmp_path / "none")], "is not a directory"),
             (["bench", "gpu", "--dry-run", "-k", "99"], "k must be an integer in [0, 16]"),

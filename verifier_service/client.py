@@ -422,16 +422,17 @@ class RemoteProposer(Proposer):
         for s in seq_ids:
             if self.rounds.pop(s, None) is not None:
                 self.sent_at.pop(s, None)
-                self._orphans.append(self._wire_id(s))
+                with self._releases_lock:  # (_orphans: a Start's helper thread adds to it too)
+                    self._orphans.append(self._wire_id(s))
 
     def mark_failed(self, error: Exception) -> None:
         self.abandon(list(self.rounds))  # (a copy: a Start's helper thread may add to it)
         with self._releases_lock:  # Releases not answered yet are sent again once the drafter is back (the
             # connection given up cancels them; until stop 52 their sequences held the drafter's slots for its TTL)
             unanswered, self._releases = self._releases, []
-        for future, ids in unanswered:
-            if not future.done() or future.exception() is not None:
-                self._orphans.extend(ids)
+            for future, ids in unanswered:
+                if not future.done() or future.exception() is not None:
+                    self._orphans.extend(ids)
         self._unanswered.clear()
         self._kept = self._lost = None
         if self._reconnecting is None or not self._reconnecting.is_alive():
@@ -498,9 +499,8 @@ class RemoteProposer(Proposer):
         self.max_length = fresh.info.max_length
         self.rounds.clear()
         self.sent_at.clear()
-        if self._orphans:  # the last connection's sequences: a drafter still up (the connection was given up
-            orphans, self._orphans = self._orphans, []  # for a missed deadline) frees them now, not after its TTL
-            future = self.client.call_later("Release", pb.ReleaseRequest(seq_ids=orphans))
-            with self._releases_lock:
-                self._releases.append((future, orphans))
+        with self._releases_lock:  # the last connection's sequences: a drafter still up (the connection was
+            orphans, self._orphans = self._orphans, []  # given up for a missed deadline) frees them now, not after its TTL
+            if orphans:
+                self._releases.append((self.client.call_later("Release", pb.ReleaseRequest(seq_ids=orphans)), orphans))
         return True

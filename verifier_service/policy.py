@@ -36,8 +36,8 @@ sequences drafting k tokens each,
   (`ProposeItem.prepare`; D = M there): a preparation would almost never serve a whole call, and
   it is not free. It runs beside the target's pass and delays the drafter's next call. In the eight batching runs committed before
   stop 53, fixed k drafted sequentially ran at least as fast as pipelined at 8, 16 and 32
-  sequences in every run (by up to 0.17x of plain decoding) and at 4 in five of eight (the others
-  within 0.01x); pipelining was ahead at 1 and 2 sequences in every run;
+  sequences in every run (by up to 0.17x of plain decoding) and at 4 in five of eight (the
+  others within 0.01x); pipelining was ahead at 1 and 2 sequences in every run;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
@@ -55,7 +55,8 @@ k, on or off, to keep the estimates of acceptance and drafting cost current for 
 first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
 MAX_PROBE_BACKOFF times) each time a probe leaves the decision as it was, so a load where
 speculation does not pay (a wide probe round is dear there) is probed rarely. Probe rounds, and
-the round after k changed (its draft was never prepared), do not calibrate the model; nor do
+the round after k changed (its draft was never prepared), and a round whose ask to prepare
+(`PREPARE_MIN_READY`) differs from the last round's, do not calibrate the model; nor do
 plain rounds within `SETTLE_ROUNDS` of a drafting round, whose pass (not measured either) runs
 beside the drafter's leftover work, the drafts and the preparation that round asked for: a cost
 of speculating, which charged to plain decoding made it look slower than it is and kept pulling
@@ -571,13 +572,17 @@ class SpeculationPolicy:
         if fixed and any(fixed):
             free = [i for i, f in enumerate(fixed) if not f]
             ks = list(limits)
+            unprepared = self.unprepared
             if free:
                 for i, k in zip(free, self.choose([limits[i] for i in free], [acceptance[i] for i in free],
                                                   [proposers[i] for i in free])):
                     ks[i] = k
             # the seeded rows draft whatever the mode: the guard counts nothing, and the round's time
-            # (their drafting, a wider pass) is not the model's for the free rows: nothing calibrates
+            # (their drafting, a wider pass) is not the model's for the free rows: nothing calibrates;
+            # the drafter prepares (a seeded row's next round drafts for sure)
             self.round_mode = self.predicted = None
+            self.prepare = self.prepare_last = True
+            self.unprepared = unprepared
             return ks
         if self.mode == "fixed" or not any(limits):
             if self.mode == "adaptive":  # nobody can draft: a plain round (the guard's "off", unless settling)
@@ -618,9 +623,12 @@ class SpeculationPolicy:
             self.probe_backoff[bucket] = min(self.probe_backoff.get(bucket, 0) + 1, MAX_PROBE_BACKOFF) if settled else 0
             self._last_decision[bucket] = decision
             k = max(limits)
-        # the drafter prepares the round after this one, which drafts `best` (a probe's wider draft
-        # serves it) or nothing. One sequence always prepares, so that h stays measured: it learns
-        # from prepared rounds only, and would otherwise never recover from a low spell
+        # the drafter prepares after answering the call that carries this flag (this round's, or with
+        # drafts asked for early the one at this round's end), for a round that drafts `best` (a
+        # probe's wider draft serves it) or nothing. One sequence always prepares, so that h stays
+        # measured: it learns from prepared rounds only, and would otherwise never recover from a low
+        # spell. (With early asks a flag's change reaches readiness a round later than the check
+        # below assumes: one round misplaced per change)
         was = self.prepare_last
         pipelines = any(lim and p in self.prepared for p, lim in zip(proposers, limits))
         self.prepare = self.prepare_last = not (k and pipelines) or \
