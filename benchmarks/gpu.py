@@ -29,6 +29,10 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
+import logging
+import os
 import statistics
 import sys
 import time
@@ -59,11 +63,18 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compil
     from specserve.builder import build_engine
     from specserve.core.sampling import SamplingParams
     from specserve.verifier.engine import SpeculativeEngine
-    if device == "cuda":
+    if device == "cuda":  # (the rows before: their engines gone, their cached blocks freed)
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    base_mib = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0
     t0 = time.perf_counter()
+    # k fixed: every round drafts k, so the row measures speculation at k (the adaptive policy may
+    # draft little where a drafter pass costs about what a target pass does, as on a GPU at batch 1)
     spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=2, compile=compile,
-                                        draft_vocab=draft_vocab))
+                                        draft_vocab=draft_vocab, speculation="fixed"))
+    if device == "cuda":
+        torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     plain = SpeculativeEngine(spec.target, None)
     eps = torch.finfo(getattr(torch, dtype)).eps
@@ -97,16 +108,18 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compil
     warm = prompts[:1]
     _tok_per_s(plain.generate, warm, 8, 0), _tok_per_s(spec.generate, warm, 8, k)  # warm-up
     row = {"device": str(spec.target.device), "dtype": str(spec.target.model.dtype), "load_s": load_s,
-           "compiled": spec.target.compiled,
+           "compiled": spec.target.compiled, "drafter_compiled": spec.proposer.runner.compiled,
            "draft_vocab": len(spec.proposer.runner.vocab) if spec.proposer.runner.vocab is not None else "off",
            "greedy_equal": equal, "greedy_parted_at_a_tie": tie_parted, "greedy_parted": parted,
            "prompts": len(prompts),
-           "sampled_acceptance": accepted / drafted if drafted else 0.0,
+           "sampled_acceptance": accepted / drafted if drafted else None,
            "plain_tok_s": _tok_per_s(plain.generate, prompts, max_tokens, 0),
            "speculative_tok_s": _tok_per_s(spec.generate, prompts, max_tokens, k)}
     row["speedup"] = row["speculative_tok_s"] / row["plain_tok_s"]
     if device == "cuda":
-        row["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        row["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20 - base_mib
+    print(f"  {row['device']} / {row['dtype']}{' compiled' if compile else ''}: {row['speculative_tok_s']:.1f} tok/s "
+          f"speculative, {row['plain_tok_s']:.1f} plain, greedy equal {equal}/{len(prompts)}", flush=True)
     return row
 
 
@@ -187,13 +200,15 @@ def markdown(report: dict, command: str) -> str:
                      f"{r['load_s']:.1f} | {r['greedy_equal']}/{r['prompts']}"
                      f"{' (+' + str(r['greedy_parted_at_a_tie']) + ' at a tie)' if r['greedy_parted_at_a_tie'] else ''}"
                      f"{' **(+' + str(len(r['greedy_parted'])) + ' parted off a tie)**' if r['greedy_parted'] else ''}"
-                     f" | {r['sampled_acceptance']:.2f} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f} | "
+                     f" | {'–' if r['sampled_acceptance'] is None else format(r['sampled_acceptance'], '.2f')} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f} | "
                      f"{r.get('peak_gpu_memory_mib', float('nan')):.0f} |")
     d = report.get("distributed")
     if d is None:  # (not run, or failed: see errors)
         d = {}
     if report.get("errors"):
         lines += ["", "**Errors** (the stage failed, the others ran):", ""] + [f"- {e}" for e in report["errors"]]
+    if report.get("skipped"):
+        lines += ["", "Skipped:", ""] + [f"- {e}" for e in report["skipped"]]
     if d:
         lines += ["", f"Both actors on one device (gpus_per_actor 0.5), Ray + gRPC, {report['distributed_dtype']}:", "",
               "| plain tok/s | speculative (sequential) tok/s | pipelined tok/s | spec / plain | pipelined / sequential "
@@ -229,7 +244,9 @@ def main(argv=None) -> int:
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"which parts to run, comma-separated, of {','.join(STAGES)} (default: all; one GPU "
                         "lent for minutes may not run them all)")
-    p.add_argument("--out", default=str(RESULTS_DIR / "gpu"))
+    # on the lent GPU machine only $OUT comes back: the results go there when it is set
+    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu") if os.environ.get("OUT") else str(RESULTS_DIR / "gpu"),
+                   help="writes OUT.md and OUT.json (default $OUT/gpu when $OUT is set, else docs/benchmarks/gpu)")
     args = p.parse_args(argv)
     stages = [st for st in args.stages.split(",") if st]
     if not stages or set(stages) - set(STAGES):
@@ -270,9 +287,18 @@ def main(argv=None) -> int:
         rows.append(dict(dtype="bfloat16", compile=True))
     command = "specserve bench gpu " + " ".join(argv)
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # (compiling: progress)
+    if device == "cuda":  # the CUDA context and the libraries' start-up, before the first row's load is timed
+        torch.ones(1, device="cuda").sum().item()
+    has_ray = importlib.util.find_spec("ray") is not None
+
     def run(stage: str, step) -> None:  # each part written as it ends: a run cut off keeps what it measured
         if stage not in stages:
             return
+        if stage in ("distributed", "fanout") and not has_ray:
+            report.setdefault("skipped", []).append(f"{stage}: Ray is not installed here")
+            return
+        print(f"{stage}: {time.perf_counter() - t0:.0f} s in", flush=True)
         try:
             step()
         except Exception as e:  # one part failing (a kernel, an actor) leaves the others to run

@@ -466,8 +466,19 @@ class FastLlama:
         ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
         for s, s0, m in zip(slots, starts, n):  # (first: a pass that fails may have written some layers)
             self.cache.wrote(s, s0 + m)
-        logits = self._pass(ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact,
-                            self.cache.k, self.cache.v, parent_t, fork_t, vocab and self.vocab is not None)
+        args = (ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact, self.cache.k, self.cache.v, parent_t,
+                fork_t, vocab and self.vocab is not None)
+        try:
+            logits = self._pass(*args)
+        except Exception:
+            if not self.compiled:
+                raise
+            # a compiled pass that fails in serving (a CUDA graph tree is per thread, and torch
+            # before 2.13 asserts when a thread other than the warm-up's replays one) runs eagerly from
+            # now on: the same positions are written again, so the retry is the pass
+            log.exception("the compiled forward failed: it runs eagerly from now on")
+            self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
+            logits = self._pass(*args)
         for s, m in zip(slots, n):
             lengths[s] += m
         if last_only:

@@ -116,7 +116,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+            with torch.cuda.device(device):  # (this device's, not the current one's)
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         from specserve.core.fast_llama import cpu_has_bf16_gemm
         return torch.bfloat16 if packs and cpu_has_bf16_gemm() and role != "drafter" else torch.float32
     if dtype not in DTYPES:

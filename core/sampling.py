@@ -113,5 +113,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     if generator is None:
         return probs.argmax(-1)
     race = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
-    return (probs.float() / race).argmax(-1)
+    return (probs.float() / no_zero(race)).argmax(-1)
+
+
+def no_zero(race: torch.Tensor) -> torch.Tensor:
+    """Exponential draws with an exact 0 (possible on some devices' generators) raised to the
+    smallest float: p / 0 is NaN where p is 0, and argmax would take that token, one the warped
+    distribution rules out. No draw on the CPU is 0, so nothing there changes."""
+    return race.clamp_min_(torch.finfo(race.dtype).tiny)
 

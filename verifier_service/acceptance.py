@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from specserve.core.device import to_device
+from specserve.core.sampling import no_zero
 
 
 def greedy_on_device(target_logits: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -112,6 +113,12 @@ def accept_on_device(
         if q is not None and tuple(q.shape) != (ks[b], p.shape[1]):
             raise ValueError(f"draft_probs must have shape {(ks[b], p.shape[1])}, got {tuple(q.shape)}")
     dev, V, K = target_probs[0].device, target_probs[0].shape[1], max(ks)
+    host = [b for b in range(B) if ks[b] and draft_probs[b] is not None and draft_probs[b].device != dev]
+    if len(host) > 1 and dev.type == "cuda":  # the round's q rows from the wire: one pinned copy, not one each
+        moved = torch.cat([draft_probs[b].float() for b in host]).pin_memory().to(dev, non_blocking=True)
+        draft_probs = list(draft_probs)
+        for b, qb in zip(host, moved.split([ks[b] for b in host])):
+            draft_probs[b] = qb
     p = torch.zeros(B, K + 1, V, device=dev)
     q = torch.zeros(B, K + 1, V, device=dev)  # row k_b stays 0: the residual there is p (the bonus)
     drafts = to_device([list(d) + [0] * (K - len(d)) for d in draft_tokens], dev).view(B, K)
@@ -152,7 +159,7 @@ def accept_on_device(
     residual = (pa - qa).clamp(min=0.0)
     # an all-zero residual is reachable only through rounding (p and q agree): fall back to p
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pa)
-    next_token = (residual / race).argmax(-1)
+    next_token = (residual / no_zero(race)).argmax(-1)
     finite = torch.isfinite(p).flatten(1).all(1)
     return torch.stack([num_accepted, next_token, finite.long()])
 
