@@ -34,10 +34,11 @@ sequences drafting k tokens each,
   batches and short k, which is where pipelining pays. Where P is below PREPARE_MIN_READY (at
   two sequences or more) the policy asks the drafter to prepare nothing for the round after
   (`ProposeItem.prepare`; D = M there): a preparation would almost never serve a whole call, and
-  it is not free. It runs beside the target's pass and delays the drafter's next call. In the eight batching runs committed before
-  stop 53, fixed k drafted sequentially ran at least as fast as pipelined at 8, 16 and 32
-  sequences in every run (by up to 0.17x of plain decoding) and at 4 in five of eight (the
-  others within 0.01x); pipelining was ahead at 1 and 2 sequences in every run;
+  it is not free. It runs beside the target's pass and delays the drafter's next call. In the
+  eight batching runs committed before stop 53, fixed k drafted sequentially ran at least as fast
+  as pipelined at 8, 16 and 32 sequences in every run (by up to 0.17x of plain decoding) and at 4
+  in five of eight (the others within 0.01x); pipelining was ahead at 1 and 2 sequences in every
+  run;
 - O(b, speculating): the rest of a round (bookkeeping, callbacks, catch-up calls of sequences
   that draft nothing), measured online apart for rounds with and without drafts.
 
