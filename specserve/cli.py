@@ -61,9 +61,17 @@ def _draft_vocab(value: str):
     return setting
 
 
+def device_arg(value: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N, as the config's `device` (cuda:N refused until stop 53)."""
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+
 def add_device_args(p: argparse.ArgumentParser, default) -> None:
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=default,
-                   help="where the models run (auto: the GPU this process, or its Ray actor, holds; else the CPU)")
+    p.add_argument("--device", type=device_arg, default=default,
+                   help="where the models run: auto (the GPU this process, or its Ray actor, holds; else the CPU), "
+                        "cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
                    help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), float32 otherwise)")
     c = p.add_mutually_exclusive_group()
@@ -102,6 +110,9 @@ def cmd_generate(args) -> int:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
     sampling = sampling_from_args(args)
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
+    if args.method in ("ngram", "none") and args.drafter is not None and not args.no_speculation and args.k:
+        print(f"warning: --method {args.method} drafts without the drafter model: --drafter is not used",
+              file=sys.stderr)  # (until stop 53 dropped silently; --no-speculation and -k 0 say so themselves)
     target, drafter = resolve_pair(args.target, args.drafter, no_drafter)
     method = "none" if args.no_speculation or args.k == 0 else args.method
     if args.distributed and method == "none":
