@@ -174,6 +174,7 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["bench", "gpu", "--dry-run", "--prompts", "0"], "--prompts and --max-tokens must be >= 1"),
             (["eval-demo", "--ks", "a"], "--ks must be a comma-separated list"),
             (["eval-demo", "--temperature", "-1"], "--temperature must be > 0"),
+            (["distill", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "d")], "is not a model folder"),
             (["generate", "--device", "cuda:x", "--prompt", "x"], "must be auto, cpu, cuda or cuda:N"),
             (["serve", "--target", tiny_pair_dir["target"]], "--drafter is required with --target"),
             (["serve", "--config", str(bad_config)], "applications must be a list of mappings"),

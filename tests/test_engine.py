@@ -199,3 +199,16 @@ def test_a_raising_on_finish_stays_with_its_request():
         assert after.done.wait(60) and len(after.result().token_ids) == 5
     finally:
         engine.stop()
+
+
+def test_a_max_model_len_past_the_models_context_is_said(caplog):
+    """max_model_len above what the models hold is capped to their context, with a warning (until
+    stop 53 without a word); one within it is taken as given."""
+    target = ModelRunner(tiny_model("llama", V, seed=1))
+    with caplog.at_level("WARNING", logger="specserve.engine"):
+        engine = SpeculativeEngine(target, None, max_model_len=10 ** 6)
+    assert engine.max_length == target.max_length and "max_model_len 1000000" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specserve.engine"):
+        assert SpeculativeEngine(target, None, max_model_len=16).max_length == 16
+    assert "max_model_len" not in caplog.text

@@ -653,6 +653,9 @@ def distill(target: str, out: str, *, data: Sequence[str] | None = None, eval_da
         raise ValueError("loss must be 'kl' or 'ce'")
     if loss == "ce":
         gen_frac = 0.0
+    if not (Path(target) / "config.json").is_file():  # (before the split's check, which blamed that instead)
+        from specserve.core.runner import ModelLoadError
+        raise ModelLoadError(f"--target {target!r} is not a model folder (no config.json)")
     if data is None:
         guess = Path(target).resolve().parent / "split.json"
         if not guess.exists():

@@ -279,6 +279,9 @@ class SpeculativeEngine:
         self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)
         self.max_length = min(target.max_length, proposer.max_length if proposer else 1 << 30,
                               max_model_len or 1 << 30)
+        if max_model_len and max_model_len > self.max_length:  # (until stop 53 capped without a word)
+            log.warning("max_model_len %d is more than the models' context: %d tokens it is", max_model_len,
+                        self.max_length)
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.hang_s = hang_s
