@@ -476,8 +476,7 @@ class FastLlama:
             # a compiled pass that fails in serving (a CUDA graph tree is per thread, and torch
             # before 2.13 asserts when a thread other than the warm-up's replays one) runs eagerly from
             # now on: the same positions are written again, so the retry is the pass
-            log.exception("the compiled forward failed: it runs eagerly from now on")
-            self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
+            self._go_eager("the compiled forward failed: it runs eagerly from now on")
             logits = self._pass(*args)
         for s, m in zip(slots, n):
             lengths[s] += m
@@ -623,13 +622,17 @@ class FastLlama:
         except Exception:
             if not self.compiled:
                 raise
-            log.exception("compiling the forward failed: it runs eagerly")
-            self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
+            self._go_eager("compiling the forward failed: it runs eagerly")
             self._warm(widths, branches)
         seconds = time.perf_counter() - t0
         if self.compiled:
             log.info("forward compiled and warm in %.1f s", seconds)
         return seconds
+
+    def _go_eager(self, why: str) -> None:
+        """Logs the exception being handled and runs the forward eagerly from now on."""
+        log.exception(why)
+        self.compiled, self._min_size, self._pass = False, 1, self._pass_eager
 
     def _warm(self, widths: tuple[int, ...], branches: bool = False) -> None:
         # Every pass's ids are inference tensors (forward_ids makes them so), as in serving: a

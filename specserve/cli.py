@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from specserve.config import APP_IMPORT_PATH, DEFAULT_MODEL_DIR, SpecServeConfig
+from specserve.config import APP_IMPORT_PATH, DEFAULT_MODEL_DIR, SpecServeConfig, valid_device
 from specserve.core.proposer import MAX_K
 
 
@@ -63,7 +63,7 @@ def _draft_vocab(value: str):
 
 def device_arg(value: str) -> str:
     """--device: auto, cpu, cuda or cuda:N, as the config's `device` (cuda:N refused until stop 53)."""
-    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+    if valid_device(value):
         return value
     raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
 
@@ -120,8 +120,9 @@ def cmd_generate(args) -> int:
                        "--method none) has none: drop --distributed")
     if args.distributed and method not in (None, "draft_model"):
         raise CLIError("--method ngram runs in process: drop --distributed")
-    if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):
-        raise CLIError(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0: torch's default; this machine has "
+    most = 4 * (os.cpu_count() or 1)
+    if not 0 <= args.threads <= most:
+        raise CLIError(f"--threads must be in [0, {most}] (0: torch's default; this machine has "
                        f"{os.cpu_count()} CPUs), got {args.threads}")
     if args.distributed and args.threads:  # (it set the driver's threads, which run no model: ignored until stop 51)
         raise CLIError("--threads is for in-process generation: --distributed actors run one torch thread each")

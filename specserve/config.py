@@ -22,6 +22,12 @@ SPECULATION_POLICIES = ("adaptive", "fixed")  # specserve.verifier.policy
 STREAM_INTERVAL_MS = 20.0  # the default: see README, "Configuration" (stream_interval_ms)
 
 
+def valid_device(value) -> bool:
+    """auto, cpu, cuda or cuda:N (the config's `device` and the CLI's --device)."""
+    return value in ("auto", "cpu", "cuda") or (isinstance(value, str) and value.startswith("cuda:")
+                                                and value[5:].isdigit())
+
+
 @dataclass
 class SpecServeConfig:
     model: str = "specserve-demo"  # the served model name
@@ -93,9 +99,7 @@ class SpecServeConfig:
              "engine_hang_s must be null or a number > 0")
         need(_is_number(self.stream_interval_ms) and 0 <= self.stream_interval_ms <= 1000,
              "stream_interval_ms must be a number in [0, 1000]")
-        need(self.device in ("auto", "cpu", "cuda") or (isinstance(self.device, str) and self.device.startswith("cuda:")
-                                                         and self.device[5:].isdigit()),
-             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        need(valid_device(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.q_dtype in ("float32", "bfloat16", "float16"), "q_dtype must be float32, bfloat16 or float16")

@@ -113,8 +113,9 @@ def accept_on_device(
         if q is not None and tuple(q.shape) != (ks[b], p.shape[1]):
             raise ValueError(f"draft_probs must have shape {(ks[b], p.shape[1])}, got {tuple(q.shape)}")
     dev, V, K = target_probs[0].device, target_probs[0].shape[1], max(ks)
-    host = [b for b in range(B) if ks[b] and draft_probs[b] is not None and draft_probs[b].device != dev]
-    if len(host) > 1 and dev.type == "cuda":  # the round's q rows from the wire: one pinned copy, not one each
+    host = [b for b in range(B) if ks[b] and draft_probs[b] is not None and draft_probs[b].device != dev] \
+        if dev.type == "cuda" else []
+    if len(host) > 1:  # the round's q rows from the wire: one pinned copy, not one each
         moved = torch.cat([draft_probs[b].float() for b in host]).pin_memory().to(dev, non_blocking=True)
         draft_probs = list(draft_probs)
         for b, qb in zip(host, moved.split([ks[b] for b in host])):
