@@ -534,14 +534,65 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
             for p, r in zip(prompts, reqs):
                 assert r.result().token_ids == plain.generate(p, 60, SamplingParams(), 0).token_ids
             assert engine.degraded is None and engine.proposer_failures == 0
-            if capacity == 8:  # a seeded sampled request drafts from its first round: started before it
+            if capacity == 8:  # a seeded sampled request drafts from its first round: its Start (sent
+                # beside the prefill) is waited for before it
                 seeded = engine.submit([5, 6], 10, SamplingParams(temperature=0.9, seed=3), k=4)
                 engine.step()
-                assert engine.deferred_starts == 3 and seeded.stats.rounds_by_k[0] == 0
+                assert engine.deferred_starts == 4 and seeded.stats.rounds_by_k[0] == 0
                 while not seeded.done.is_set():
                     engine.step()
         finally:
             server.stop(0)
+
+
+def test_joining_sequences_start_on_a_remote_drafter_beside_the_target_prefill():
+    """The Start of joining sequences goes to a remote drafter from a helper thread before the
+    target prefills their prompts, so the drafter's prefill runs beside the target's; with
+    speculation on they still draft from their first round (the Start is waited for after the
+    prefill). Here the target's prefill waits (up to 5 s) for the drafter to hold the sequences: a
+    Start sent after the prefill (as until stop 54) never arrives in time. Greedy output stays
+    plain decoding's, for the first batch and for one joining mid-flight."""
+    import time
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+
+    target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
+    plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False)
+    try:
+        engine = SpeculativeEngine(ModelRunner(target, slots=4), RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set())
+        seen = []
+        prefill_batch = engine.target.prefill_batch
+
+        def prefill_once_the_drafter_has_them(items):
+            slots = {slot for slot, _ in items}
+            wire = [f"{r.id}.0" for r in engine.running if r.slot in slots]
+            until = time.monotonic() + 5.0
+            while not all(w in servicer.proposer.seqs for w in wire) and time.monotonic() < until:
+                time.sleep(0.002)
+            seen.append(all(w in servicer.proposer.seqs for w in wire))
+            return prefill_batch(items)
+
+        engine.target.prefill_batch = prefill_once_the_drafter_has_them
+        prompts = [[1 + i, 2, 3] for i in range(3)]
+        reqs = [engine.submit(p, 30, SamplingParams(), k=4) for p in prompts]
+        engine.step()
+        assert seen == [True] and not engine._starting
+        assert all(r.drafting and r.stats.rounds_by_k[0] == 0 for r in reqs)  # drafted in their first round
+        engine.step()
+        late = engine.submit([9, 8, 7], 20, SamplingParams(), k=4)
+        engine.step()
+        assert seen == [True, True] and late.drafting and late.stats.rounds_by_k[0] == 0
+        assert engine.deferred_starts == 4  # (all four from the helper thread)
+        while not all(r.done.is_set() for r in [*reqs, late]):
+            engine.step()
+        for p, r in zip(prompts, reqs):
+            assert r.result().token_ids == plain.generate(p, 30, SamplingParams(), 0).token_ids
+        assert late.result().token_ids == plain.generate([9, 8, 7], 20, SamplingParams(), 0).token_ids
+        assert engine.degraded is None and engine.proposer_failures == 0
+    finally:
+        server.stop(0)
 
 
 def test_a_start_under_way_when_the_drafter_fails_goes_to_the_fallback():

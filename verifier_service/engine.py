@@ -296,9 +296,9 @@ class SpeculativeEngine:
         self._early_waited = 0.0  # seconds waited for them so far (by whichever call needed them first)
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
-        # remote drafter Starts of new sequences running on helper threads beside the rounds
-        # (speculation off: nobody drafts now): (thread, requests, tokens each had then, outcome,
-        # proposer failures then)
+        # remote drafter Starts of new sequences running on helper threads beside the target's
+        # prefill (`_start_ahead`) and, with speculation off, beside the rounds: (thread, requests,
+        # tokens each had then, outcome, proposer failures then)
         self._starting: list[tuple[threading.Thread, list[Request], list[int], dict, int]] = []
         self.deferred_starts = 0  # sequences started that way
         self._compact_failed = False  # a slot move failed once: `_compact` is off
@@ -627,11 +627,18 @@ class SpeculativeEngine:
     PREFILL_BUDGET = 1024  # prompt tokens admitted per round while others run
 
     def _admit(self, reqs: list[Request]) -> None:
-        """One batched target prefill for all; then each proposer starts its new sequences in one call."""
+        """One batched target prefill for all; then each proposer starts its new sequences in one
+        call. A remote drafter's Start is sent before the prefill, from a helper thread, so that
+        the drafter's prefill of the prompts runs beside the target's (`_start_ahead`)."""
         for req in reqs:
             req.slot = min(self.free_slots)  # the lowest: a batch of slots 0..b-1 reads the KV cache as a view
             self.free_slots.remove(req.slot)
             self.running.append(req)
+        # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
+        if self._resting():  # the drafter rests: these start on it when it drafts again (`_wake`)
+            for r in reqs:
+                r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
+        ahead = self._start_ahead(reqs)
         t0 = time.perf_counter()
         try:
             self.target.prefill_batch([(req.slot, req.prompt_ids[:-1]) for req in reqs])
@@ -647,12 +654,28 @@ class SpeculativeEngine:
             req.pending = req.prompt_ids[-1]
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
-        # (not a seeded sampled request: it drafts from its first round on, so its text never depends on timings)
-        if self._resting():  # the drafter rests: these start on it when it drafts again (`_wake`)
-            for r in reqs:
-                r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
-            reqs = [r for r in reqs if not r.resting]
-        self._start(reqs)
+        self._start([r for r in reqs if not r.resting and r not in ahead])
+        if ahead and (not self._start_later_ok() or any(r.fixed_k for r in ahead)):
+            self._await_early()  # (the Start waited for them on the drafter: drafting time, not the start's)
+            self._finish_starts()  # these draft from their first round, as if started after the prefill
+
+    def _start_ahead(self, reqs: list[Request]) -> list[Request]:
+        """Sends the Start of joining sequences to a remote drafter from a helper thread before
+        the target's prefill (`_start_later`), and returns them. The drafter's prefill of their
+        prompts then runs beside the target's, on its own device, instead of after it. Where
+        speculation is on (or a sequence is seeded), `_admit` waits for it after the prefill, so
+        they draft from their first round; where it is off they decode plainly until it is in (as
+        `_start_later_ok`). Until stop 54 the Start was sent after the prefill and waited for,
+        on the loop's thread: 4-6% of each round at 4-32 sequences in the batching bench's
+        sequential row, 7-32% in the pipelined one, its drafter busy preparing
+        (docs/benchmarks/batching_6070687_b.md, the "start" column)."""
+        proposer = self.proposers.get("draft_model")
+        if proposer is None or not proposer.answers_later or self.degraded is not None:
+            return []
+        ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting]
+        if ahead:
+            self._start_later(ahead)
+        return ahead
 
     def _start(self, reqs: list[Request]) -> None:
         """Starts these sequences on their proposers: on a remote drafter from a helper thread
