@@ -534,11 +534,10 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
             for p, r in zip(prompts, reqs):
                 assert r.result().token_ids == plain.generate(p, 60, SamplingParams(), 0).token_ids
             assert engine.degraded is None and engine.proposer_failures == 0
-            if capacity == 8:  # a seeded sampled request drafts from its first round: its Start (sent
-                # beside the prefill) is waited for before it
+            if capacity == 8:  # a seeded sampled request drafts from its first round: started before it
                 seeded = engine.submit([5, 6], 10, SamplingParams(temperature=0.9, seed=3), k=4)
                 engine.step()
-                assert engine.deferred_starts == 4 and seeded.stats.rounds_by_k[0] == 0
+                assert engine.deferred_starts == 3 and seeded.stats.rounds_by_k[0] == 0
                 while not seeded.done.is_set():
                     engine.step()
         finally:
@@ -591,6 +590,36 @@ def test_joining_sequences_start_on_a_remote_drafter_beside_the_target_prefill()
             assert r.result().token_ids == plain.generate(p, 30, SamplingParams(), 0).token_ids
         assert late.result().token_ids == plain.generate([9, 8, 7], 20, SamplingParams(), 0).token_ids
         assert engine.degraded is None and engine.proposer_failures == 0
+    finally:
+        server.stop(0)
+
+
+def test_a_start_sent_beside_a_prefill_that_fails_is_released_in_the_same_step():
+    """A joining request's Start goes to the drafter before the target prefills it; when that
+    prefill fails, the request fails alone (a clear error) and the drafter's sequence is released
+    in the same step, though nothing else runs (until this was fixed, the Release waited for the
+    next request)."""
+    import time
+
+    from specserve.verifier.client import RemoteProposer
+    from specserve.verifier.engine import SpeculativeEngine
+
+    target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
+    server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False)
+    try:
+        engine = SpeculativeEngine(ModelRunner(target, slots=4), RemoteProposer(f"127.0.0.1:{port}"), eos_ids=set())
+
+        def fails(*_args, **_kwargs):
+            raise RuntimeError("the prefill failed")
+
+        engine.target.prefill_batch = engine.target.prefill = fails
+        req = engine.submit([1, 2, 3], 10, SamplingParams(), k=4)
+        engine.step()
+        assert req.done.is_set() and isinstance(req.error, RuntimeError) and not engine.running
+        until = time.monotonic() + 5.0
+        while servicer.live_sequences and time.monotonic() < until:  # (a Release is not waited for)
+            time.sleep(0.01)
+        assert servicer.live_sequences == 0 and engine.degraded is None
     finally:
         server.stop(0)
 

@@ -522,6 +522,7 @@ class SpeculativeEngine:
         self._compact()
         running = list(self.running)
         if not running:
+            self._release_finished()  # (a Start taken up for a request whose prefill failed: released now)
             return
         if not self._resting() and any(r.resting for r in running):
             self._wake([r for r in running if r.resting])
@@ -655,9 +656,9 @@ class SpeculativeEngine:
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         self._start([r for r in reqs if not r.resting and r not in ahead])
-        if ahead and (not self._start_later_ok() or any(r.fixed_k for r in ahead)):
-            self._await_early()  # (the Start waited for them on the drafter: drafting time, not the start's)
-            self._finish_starts()  # these draft from their first round, as if started after the prefill
+        if ahead and not self._start_later_ok():
+            self._await_early()  # (drafting time: they reached the drafter's model lock before the Start, as a rule)
+            self._finish_starts(wait=self.degraded is None)  # these draft from their first round
 
     def _start_ahead(self, reqs: list[Request]) -> list[Request]:
         """Sends the Start of joining sequences to a remote drafter from a helper thread before
@@ -668,11 +669,14 @@ class SpeculativeEngine:
         `_start_later_ok`). Until stop 54 the Start was sent after the prefill and waited for,
         on the loop's thread: 4-6% of each round at 4-32 sequences in the batching bench's
         sequential row, 7-32% in the pipelined one, its drafter busy preparing
-        (docs/benchmarks/batching_6070687_b.md, the "start" column)."""
+        (docs/benchmarks/batching_6070687_b.md, the "start" column). A seeded row while speculation
+        is off is left to `_start` (started after the prefill and waited for: it drafts from its
+        first round), so that it does not hold up the others' Start."""
         proposer = self.proposers.get("draft_model")
         if proposer is None or not proposer.answers_later or self.degraded is not None:
             return []
-        ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting]
+        joined = not self._start_later_ok()
+        ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting and (joined or not r.fixed_k)]
         if ahead:
             self._start_later(ahead)
         return ahead
@@ -745,9 +749,10 @@ class SpeculativeEngine:
         self._start(reqs)
 
     def _start_later_ok(self) -> bool:
-        """New sequences may start on the drafter while the rounds run (not before them): the
-        policy has speculation off, so they would not draft now anyway, and the drafter is
-        remote, so its prefill runs beside the target's passes instead of before them."""
+        """New sequences may start on the drafter while the rounds run, their Start not waited
+        for (`_start_ahead` sends it before the target's prefill; `_start` after it): the policy
+        has speculation off, so they would not draft now anyway, and the drafter is remote, so
+        its prefill runs beside the target's passes instead of before them."""
         proposer = self.proposers.get("draft_model")
         return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
                 and proposer.answers_later and self.degraded is None and not self._early)
@@ -768,8 +773,8 @@ class SpeculativeEngine:
 
     def _finish_starts(self, wait: bool = True) -> None:
         """Handles a Start sent by `_start_later` once it is done, as a Start before the round
-        would be: the sequences draft from the next round on (told the tokens committed since
-        the Start), or run without the drafter (refused, or the drafter failed meanwhile: the
+        would be: the sequences draft from their next round on (told the tokens committed since
+        the Start, if any), or run without the drafter (refused, or the drafter failed meanwhile: the
         fallback takes them). wait=False (after a round's pass, and before a round) leaves one
         still under way for later: its sequences decode plainly meanwhile, as they would anyway
         with speculation off, instead of the loop waiting for the drafter's prefill."""
@@ -1038,8 +1043,9 @@ class SpeculativeEngine:
     def _await_early(self, before_round: bool = True) -> None:
         """Receives the drafts asked for early, if they are in flight and not received yet: the
         first drafter call after an early send (this round's collection, or a start of new
-        sequences before it, which the drafter would answer only after them) waits for them
-        here, and the wait counts as drafting (the policy's D, and the round's time)."""
+        sequences before it, which the drafter would answer only after them; a Start sent beside
+        the prefill, `_start_ahead`, comes after them too, as a rule) waits for them here, and the
+        wait counts as drafting (the policy's D, and the round's time)."""
         if not self._early or self._early_got is not None:
             return
         t0 = time.perf_counter()
