@@ -41,6 +41,7 @@ import logging
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -76,6 +77,39 @@ def _compiler(device: torch.device):
 
 
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+
+# CUDA graph trees (mode "reduce-overhead") keep their managers in thread-local storage
+# (torch._inductor.cudagraph_trees.local). A thread that did not create them either asserts on its
+# first replay (torch 2.11, pytorch issue 123177) or, in later torch, records every graph again
+# into trees and a memory pool of its own. Here a model is warmed up on one thread and served
+# from others (the engine's loop; the drafter's RPC handlers and its preparation thread, one at a
+# time under its model lock), so the first thread to run a compiled pass on a GPU lends its trees
+# to every thread after it (`share_graph_trees`).
+_GRAPH_TREE_TLS = ("tree_manager_containers", "tree_manager_locks")
+_graph_trees: tuple | None = None  # the trees every thread of this process replays from
+_graph_threads: set[int] = set()  # threads that have them
+_graph_lock = threading.Lock()
+
+
+def share_graph_trees() -> None:
+    """Gives the calling thread this process's CUDA graph trees (the first caller's: see above).
+    Private torch state: if it is not where this expects, nothing is shared, and a pass that fails
+    for it runs eagerly (`FastLlama.forward`)."""
+    global _graph_trees
+    me = threading.get_ident()
+    if me in _graph_threads:
+        return
+    with _graph_lock:
+        try:
+            from torch._inductor import cudagraph_trees as trees
+            if _graph_trees is None:
+                _graph_trees = tuple(trees.get_obj(trees.local, name) for name in _GRAPH_TREE_TLS)
+            else:
+                for name, value in zip(_GRAPH_TREE_TLS, _graph_trees):
+                    setattr(trees.local, name, value)
+        except Exception:
+            log.warning("CUDA graph trees not shared with thread %s", threading.current_thread().name, exc_info=True)
+        _graph_threads.add(me)
 
 
 def _rows_bucket(rows: int) -> int:
@@ -468,14 +502,15 @@ class FastLlama:
             self.cache.wrote(s, s0 + m)
         args = (ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact, self.cache.k, self.cache.v, parent_t,
                 fork_t, vocab and self.vocab is not None)
+        if self.compiled and self.device.type == "cuda":
+            share_graph_trees()
         try:
             logits = self._pass(*args)
         except Exception:
             if not self.compiled:
                 raise
-            # a compiled pass that fails in serving (a CUDA graph tree is per thread, and torch
-            # before 2.13 asserts when a thread other than the warm-up's replays one) runs eagerly from
-            # now on: the same positions are written again, so the retry is the pass
+            # a compiled pass that fails in serving runs eagerly from now on: the same positions are
+            # written again, so the retry is the pass
             self._go_eager("the compiled forward failed: it runs eagerly from now on")
             logits = self._pass(*args)
         for s, m in zip(slots, n):

@@ -150,7 +150,11 @@ def test_gpu_check_dry_run(ray_session, tmp_path):
     assert all(0 < r["sampled_acceptance"] <= 1 for r in report["in_process"])  # the demo pair agrees, sampled
     assert all(report["distributed"][f"{m}_tok_s"] > 0 for m in ("plain", "speculative", "pipelined", "colocated"))
     split = {m: r["probe"] for m, r in report["distributed"]["round_split"].items()}  # where the rounds went
-    assert split["speculative"]["drafter_proposes"] > 0 and split["pipelined"]["drafter_preparations"] > 0
+    # (the pipelined row's drafter reports its preparations; how many ran depends on the machine's
+    # load: on a slow 2-core CPU every one can lose the race with the verifier's next call, which
+    # the drafter then answers on demand; prepared drafts are asserted in test_pipeline)
+    assert split["speculative"]["drafter_proposes"] > 0 and split["pipelined"]["drafter_proposes"] > 0
+    assert "drafter_preparations" in split["pipelined"]
     assert "drafter_proposes" not in split["colocated"] and split["plain"]["verifier_pass"] > 0
     assert "Where a round goes" in open(out + ".md").read()
     sweep = report["fanout_sweep"]
@@ -228,3 +232,31 @@ def test_no_blocking_host_copy_in_the_per_pass_code():
                         and any(kw.arg == "device" for kw in call.keywords)):
                     found.append(f"{module.__name__}.{fn.name}: {ast.unparse(call)[:80]}")
     assert not found, found
+
+
+def test_every_thread_that_runs_compiled_passes_shares_the_first_thread_s_cuda_graph_trees():
+    """CUDA graph trees live in thread-local storage: a thread other than the one that recorded
+    them asserts on its first replay (torch 2.11) or records every graph again into trees of its
+    own (later torch). A model is warmed up on one thread and served from others, so before each
+    compiled pass on a GPU `share_graph_trees` gives the thread the process's first trees. The
+    mechanism is plain thread-local state, tested here on the CPU (the trees themselves need a GPU)."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from specserve.core import fast_llama
+    fast_llama.share_graph_trees()  # this thread: the process's first, or given the first one's
+    first = fast_llama._graph_trees
+    assert first is not None and trees.get_obj(trees.local, "tree_manager_containers") is first[0]
+    seen = {}
+
+    def serving_thread():
+        seen["before"] = hasattr(trees.local, "tree_manager_containers")
+        fast_llama.share_graph_trees()
+        seen["after"] = (trees.get_obj(trees.local, "tree_manager_containers"),
+                         trees.get_obj(trees.local, "tree_manager_locks"))
+
+    thread = threading.Thread(target=serving_thread)
+    thread.start()
+    thread.join()
+    assert seen["before"] is False and seen["after"][0] is first[0] and seen["after"][1] is first[1]
