@@ -664,8 +664,8 @@ class SpeculativeEngine:
         """Sends the Start of joining sequences to a remote drafter from a helper thread before
         the target's prefill (`_start_later`), and returns them. The drafter's prefill of their
         prompts then runs beside the target's, on its own device, instead of after it. Where
-        speculation is on (or a sequence is seeded), `_admit` waits for it after the prefill, so
-        they draft from their first round; where it is off they decode plainly until it is in (as
+        speculation is on, `_admit` waits for it after the prefill, so they draft from their
+        first round; where it is off they decode plainly until it is in (as
         `_start_later_ok`). Until stop 54 the Start was sent after the prefill and waited for,
         on the loop's thread: 4-6% of each round at 4-32 sequences in the batching bench's
         sequential row, 7-32% in the pipelined one, its drafter busy preparing
