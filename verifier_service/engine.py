@@ -639,7 +639,8 @@ class SpeculativeEngine:
         if self._resting():  # the drafter rests: these start on it when it drafts again (`_wake`)
             for r in reqs:
                 r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
-        ahead = self._start_ahead(reqs)
+        joined = not self._start_later_ok()  # (a Start of these is waited for after the prefill)
+        ahead = self._start_ahead(reqs, joined)
         t0 = time.perf_counter()
         try:
             self.target.prefill_batch([(req.slot, req.prompt_ids[:-1]) for req in reqs])
@@ -656,18 +657,18 @@ class SpeculativeEngine:
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         self._start([r for r in reqs if not r.resting and r not in ahead])
-        if ahead and not self._start_later_ok():
+        if ahead and joined:
             self._await_early()  # (drafting time: they reached the drafter's model lock before the Start, as a rule)
             self._finish_starts(wait=self.degraded is None)  # these draft from their first round
 
-    def _start_ahead(self, reqs: list[Request]) -> list[Request]:
+    def _start_ahead(self, reqs: list[Request], joined: bool) -> list[Request]:
         """Sends the Start of joining sequences to a remote drafter from a helper thread before
         the target's prefill (`_start_later`), and returns them. The drafter's prefill of their
         prompts then runs beside the target's, on its own device, instead of after it. Where
-        speculation is on, `_admit` waits for it after the prefill, so they draft from their
-        first round; where it is off they decode plainly until it is in (as
-        `_start_later_ok`). Until stop 54 the Start was sent after the prefill and waited for,
-        on the loop's thread: 4-6% of each round at 4-32 sequences in the batching bench's
+        speculation is on (joined), `_admit` waits for it after the prefill, so they draft from
+        their first round; where it is off they decode plainly until it is in (`_start_later_ok`).
+        Until stop 54 the Start was sent after the prefill and waited for, on the loop's thread:
+        4-6% of each round at 4-32 sequences in the batching bench's
         sequential row, 7-32% in the pipelined one, its drafter busy preparing
         (docs/benchmarks/batching_6070687_b.md, the "start" column). A seeded row while speculation
         is off is left to `_start` (started after the prefill and waited for: it drafts from its
@@ -675,7 +676,6 @@ class SpeculativeEngine:
         proposer = self.proposers.get("draft_model")
         if proposer is None or not proposer.answers_later or self.degraded is not None:
             return []
-        joined = not self._start_later_ok()
         ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting and (joined or not r.fixed_k)]
         if ahead:
             self._start_later(ahead)
