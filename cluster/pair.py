@@ -87,13 +87,16 @@ class SpeculativePair:
         self.drafter = self.verifier = None  # the drafter's DrafterHandle; the verifier actor
         try:
             if cfg.drafter_actor:  # (colocated: the verifier actor loads the drafter itself)
-                self.drafter = start_drafter(cfg, strategy(DRAFTER_BUNDLE))
+                self.drafter = start_drafter(cfg, strategy(DRAFTER_BUNDLE), wait=False)
             bundle = bundles[TARGET_BUNDLE]
+            # both actors start together: the verifier loads the target while the drafter loads
             self.verifier = VerifierActor.options(
                 max_concurrency=cfg.pair_max_ongoing_requests(), num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy(TARGET_BUNDLE)).remote(cfg.to_dict(),
                                                                                                   self.drafter)
-            ray.get(self.verifier.accelerator_ids.remote())  # surfaces a load error here
+            if self.drafter is not None:
+                self.drafter.address()  # a drafter's load error here, as itself (the verifier fails with it)
+            ray.get(self.verifier.accelerator_ids.remote())  # the verifier's own load error here
         except Exception:
             self.shutdown()
             raise

@@ -99,8 +99,13 @@ class PairReplica:
         if cfg.drafter_actor:  # (colocated: build_engine loads the drafter in this process)
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=DRAFTER_BUNDLE) if pg else None
-            self.drafter = start_drafter(cfg, strategy, checked=True)
-        self.engine = build_engine(cfg, self.drafter, checked=True)
+            self.drafter = start_drafter(cfg, strategy, checked=True, wait=False)  # loads while the target does
+        try:
+            self.engine = build_engine(cfg, self.drafter, checked=True)  # (a drafter's failed start raises here)
+        except BaseException:
+            if self.drafter is not None:
+                self.drafter.kill()
+            raise
         self.engine.start()
         self.k = cfg.k if self.engine.proposers else 0
         self.stream_interval_s = cfg.stream_interval_ms / 1000.0

@@ -140,15 +140,21 @@ class DrafterHandle:
         ray.kill(self.actor)
 
 
-def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None, checked: bool = False) -> DrafterHandle:
+def start_drafter(cfg: SpecServeConfig, scheduling_strategy=None, checked: bool = False,
+                  wait: bool = True) -> DrafterHandle:
     """Checks the pair (`check_pair`: a folder that does not load, another tokenizer or a bad draft
     vocabulary is a clear error here, before any actor starts; unless `checked`: the caller did),
-    then starts the drafter actor (model + gRPC server) for cfg and waits until it serves."""
+    then starts the drafter actor (model + gRPC server) for cfg and, with `wait`, waits until it
+    serves. Without it the caller loads the target meanwhile (`build_engine(cfg, handle)` finds
+    the drafter once its target is loaded: a failed drafter start raises there), and kills the
+    handle if its own start fails."""
     import ray
 
     if not checked:
         check_pair(cfg)
     handle = DrafterHandle(cfg, scheduling_strategy)
+    if not wait:
+        return handle
     try:
         handle.address()
     except Exception:
