@@ -101,14 +101,8 @@ def sampling_from_args(args, stop_token_ids=()):
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from specserve.builder import build_engine, check_pair
-    from specserve.core.runner import ModelLoadError
-
     if not 0 <= args.k <= MAX_K:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
-    sampling = sampling_from_args(args)
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
     if args.method in ("ngram", "none") and args.drafter is not None and not args.no_speculation and args.k:
         print(f"warning: --method {args.method} drafts without the drafter model: --drafter is not used",
@@ -128,6 +122,14 @@ def cmd_generate(args) -> int:
         raise CLIError("--threads is for in-process generation: --distributed actors run one torch thread each")
     if args.no_pipeline and not args.distributed:
         raise CLIError("--no-pipeline applies to --distributed only (in process, drafting is never pipelined)")
+    # the arguments checked, torch and transformers next (seconds of imports: a mistyped flag is told at once)
+    sampling = sampling_from_args(args)
+    quiet_transformers()
+    import torch
+
+    from specserve.builder import build_engine, check_pair
+    from specserve.core.runner import ModelLoadError
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed:
@@ -290,14 +292,17 @@ def _port_taken(host: str, port: int) -> str | None:
 def cmd_serve(args) -> int:
     import signal
 
-    from specserve.builder import check_pair
-    from specserve.core.runner import ModelLoadError
-
     app_args, host, port = serve_settings(args)
     try:
         cfg = SpecServeConfig.from_dict(app_args)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    quiet_transformers()
+    from specserve.builder import check_pair
+    from specserve.core.runner import ModelLoadError
+    try:
         check_pair(cfg)  # fail fast, here, on a wrong path or a mismatched pair
-    except (TypeError, ValueError, ModelLoadError) as e:
+    except (ValueError, ModelLoadError) as e:
         raise CLIError(str(e)) from None
     import ray
     from ray import serve
@@ -370,6 +375,7 @@ def _bounded(fn, seconds: float) -> bool:
 
 
 def cmd_make_tiny_pair(args) -> int:
+    quiet_transformers()
     make_tiny_pair = _import("specserve.training.tiny").make_tiny_pair
     try:
         target, drafter = make_tiny_pair(args.out, seed=args.seed)
@@ -461,10 +467,10 @@ def quiet_transformers() -> None:
 
 
 def main(argv=None) -> int:
-    try:
-        quiet_transformers()
+    try:  # (transformers is quieted by each command that loads it, after its arguments are checked)
         argv = sys.argv[1:] if argv is None else list(argv)
         if argv and argv[0] in PASSTHROUGH:
+            quiet_transformers()
             from specserve.core.runner import ModelLoadError
             try:
                 return _import(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0

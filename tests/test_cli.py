@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -159,7 +160,7 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
     no_weights, no_tokenizer = tmp_path / "no_weights", tmp_path / "no_tokenizer"
     for folder, skip in ((no_weights, ".safetensors"), (no_tokenizer, "tokenizer.json")):
         shutil.copytree(tiny_pair_dir["target"], folder, ignore=lambda d, names: [n for n in names if n.endswith(skip)])
-    for argv, message in (
+    cases = (
             (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be in [0, "),
             (["generate", "--threads", "99999", "--prompt", "x"], "--threads must be in [0, "),
             (["serve", "--config", str(not_utf8)], "cannot read config"),
@@ -184,9 +185,11 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--drafter", tiny_pair_dir["drafter"]], "--drafter given without --target"),
             (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]"),
             (["generate", "--distributed", "--threads", "2", "--prompt", "x"], "--threads is for in-process"),
-            (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only")):
-        r = run_cli(argv)
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+            (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only"))
+    # two at a time: each is a process importing torch (about 3 s of one core), and none reaches Ray
+    with ThreadPoolExecutor(2) as pool:
+        for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):
+            assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
 
 def test_bad_invocations_found_in_stop_49_are_messages():
