@@ -95,7 +95,7 @@ class SpeculativePair:
                 num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy(TARGET_BUNDLE)).remote(cfg.to_dict(),
                                                                                                   self.drafter)
             if self.drafter is not None:
-                self.drafter.address()  # a drafter's load error here, as itself (the verifier fails with it)
+                self.drafter.started()  # a drafter's load error here, as itself (the verifier fails with it)
             ray.get(self.verifier.accelerator_ids.remote())  # the verifier's own load error here
         except Exception:
             self.shutdown()

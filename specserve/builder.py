@@ -116,6 +116,15 @@ class DrafterHandle:
         self.resolved = True
         return address
 
+    def started(self) -> str:
+        """Waits for the drafter's first start (RESOLVE_TIMEOUT_S) and returns its address; a start
+        that failed raises, and a drafter killed for good meanwhile is not recreated from here: a
+        pair's verifier, started beside it with its own copy of this handle, does that (one
+        copy only, so one new actor for the drafter's one bundle)."""
+        import ray
+
+        return ray.get(self.actor.get_address.remote(), timeout=self.RESOLVE_TIMEOUT_S)
+
     def running(self) -> int | None:
         """The process id of the actor's running process; None while it restarts (its model
         loading), once it is dead, and when Ray cannot say. (Ray's public state API needs the

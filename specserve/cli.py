@@ -104,9 +104,6 @@ def cmd_generate(args) -> int:
     if not 0 <= args.k <= MAX_K:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
-    if args.method in ("ngram", "none") and args.drafter is not None and not args.no_speculation and args.k:
-        print(f"warning: --method {args.method} drafts without the drafter model: --drafter is not used",
-              file=sys.stderr)  # (until stop 53 dropped silently; --no-speculation and -k 0 say so themselves)
     target, drafter = resolve_pair(args.target, args.drafter, no_drafter)
     method = "none" if args.no_speculation or args.k == 0 else args.method
     if args.distributed and method == "none":
@@ -122,8 +119,12 @@ def cmd_generate(args) -> int:
         raise CLIError("--threads is for in-process generation: --distributed actors run one torch thread each")
     if args.no_pipeline and not args.distributed:
         raise CLIError("--no-pipeline applies to --distributed only (in process, drafting is never pipelined)")
-    # the arguments checked, torch and transformers next (seconds of imports: a mistyped flag is told at once)
+    # the arguments checked, torch and transformers next (seconds of imports: a mistyped flag is told at
+    # once; the sampling flags are checked by SamplingParams, after importing torch)
     sampling = sampling_from_args(args)
+    if args.method in ("ngram", "none") and args.drafter is not None and not args.no_speculation and args.k:
+        print(f"warning: --method {args.method} drafts without the drafter model: --drafter is not used",
+              file=sys.stderr)  # (until stop 53 dropped silently; --no-speculation and -k 0 say so themselves)
     quiet_transformers()
     import torch
 

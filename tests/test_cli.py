@@ -186,7 +186,7 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]"),
             (["generate", "--distributed", "--threads", "2", "--prompt", "x"], "--threads is for in-process"),
             (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only"))
-    # two at a time: each is a process importing torch (about 3 s of one core), and none reaches Ray
+    # two at a time: a few import torch (about 4 s of one core each), and none reaches Ray
     with ThreadPoolExecutor(2) as pool:
         for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):
             assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

@@ -212,14 +212,20 @@ def test_the_verifier_loads_while_the_drafter_does(ray_session, pairs, monkeypat
 
     from specserve.builder import DrafterHandle
     before = set(state.actors())
-    verifiers_seen, real = [], DrafterHandle.address
+    verifiers_seen, real = [], DrafterHandle.started
 
-    def address(self):
-        verifiers_seen.append(sum(1 for actor_id, a in state.actors().items()
-                                  if actor_id not in before and a["ActorClassName"] == "VerifierActor"))
+    def verifiers() -> int:
+        return sum(1 for actor_id, a in state.actors().items()
+                   if actor_id not in before and a["ActorClassName"] == "VerifierActor")
+
+    def started(self):  # (Ray registers an actor asynchronously: looked for up to 10 s)
+        deadline = time.monotonic() + 10.0
+        while not verifiers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        verifiers_seen.append(verifiers())
         return real(self)
 
-    monkeypatch.setattr(DrafterHandle, "address", address)
+    monkeypatch.setattr(DrafterHandle, "started", started)
     target, drafter = pairs[0]
     pair = SpeculativePair(target, drafter, pipeline=False, cpus_per_actor=1, speculation="fixed")
     try:
