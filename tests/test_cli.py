@@ -192,6 +192,17 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
 
+def test_a_mistyped_flag_is_told_before_torch_is_imported():
+    """Until stop 55 every command imported transformers and torch (about 4 s here) before it
+    checked its flags: a mistake was told only after them."""
+    for argv in (["generate", "--threads", "-1", "--prompt", "x"], ["generate", "--no-pipeline", "--prompt", "x"],
+                 ["serve", "--port", "70000"], ["generate", "--device", "cuda:x", "--prompt", "x"]):
+        code = ("import sys; from specserve.cli import main; rc = main(%r); "
+                "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))" % argv)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.stdout.split() == ["2", "[]"] and "specserve: error:" in r.stderr, (argv, r.stdout, r.stderr)
+
+
 def test_bad_invocations_found_in_stop_49_are_messages():
     """`generate --distributed` with plain decoding named a --method the user never passed; an
     actor that died loading was a Ray traceback, exit 1; `serve` with more pairs than Ray can place
