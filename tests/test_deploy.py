@@ -40,7 +40,6 @@ import hashlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 
 from specserve.config import SpecServeConfig
 
@@ -768,12 +768,6 @@ def test_docs_reference_existing_files():
 # ---------------------------------------------------------------------------------------------
 # end to end: the CPU variant's serve config on a local Ray
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(method: str, url: str, body: dict | None = None, timeout: float = 120):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -791,7 +785,7 @@ def _local_serve_config() -> dict:
         for key, value in app["args"].items():
             if isinstance(value, str) and value.startswith(MODELS_MOUNT + "/"):
                 app["args"][key] = str(REPO / "models" / "demo" / value[len(MODELS_MOUNT) + 1:])
-    cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": _free_port()}
+    cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": free_port()}
     return cfg
 
 
