@@ -28,7 +28,9 @@ def tiny_pair_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One Ray instance for the whole session, with logical GPUs for placement tests."""
+    """One Ray instance for the whole session, with logical GPUs for placement tests. Under
+    pytest-xdist (the README's command) each worker process has a session, and so a local Ray, of
+    its own."""
     import ray
 
     from specserve.cluster.pair import start_ray
