@@ -32,7 +32,13 @@ ROWS = {"plain": ("fixed", "none"), "n-gram, fixed k": ("fixed", "ngram"), "n-gr
 
 
 def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 200, seed: int = 0) -> list[list[int]]:
-    """'Rename x to y in this function' tasks over functions of the held-out stdlib files."""
+    """'Rename x to y in this function' tasks over functions of the held-out stdlib files: their prompts."""
+    return [ids for ids, _ in edit_tasks(model_dir, n, tokenizer, max_prompt_tokens, seed)]
+
+
+def edit_tasks(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 200,
+               seed: int = 0) -> list[tuple[list[int], str]]:
+    """The edit tasks: (prompt ids, the edited function's text after the prompt's three lines of it)."""
     from specserve.training.demo_pair import heldout_files
     rng = random.Random(seed)
     funcs = []
@@ -49,7 +55,7 @@ def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 20
                     lines = source.splitlines()[node.lineno - 1:node.end_lineno]
                     funcs.append((textwrap.dedent("\n".join(lines)), names))
     rng.shuffle(funcs)
-    prompts = []
+    tasks = []
     for src, names in funcs:
         old = rng.choice(names)
         new = f"{old}_value"
@@ -58,10 +64,10 @@ def edit_prompts(model_dir: Path, n: int, tokenizer, max_prompt_tokens: int = 20
         text = f"# Rename `{old}` to `{new}` in this function.\n{src}\n\n# After the rename:\n{head}"
         ids = tokenizer(text)["input_ids"]
         if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == n:
+            tasks.append((ids, edited[len(head):]))
+        if len(tasks) == n:
             break
-    return prompts
+    return tasks
 
 
 def run_row(engine, prompts, max_tokens: int, k: int, method: str) -> dict:
