@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from conftest import assert_follows, near, sequence_probs
+from conftest import assert_follows, eventually, near, sequence_probs
 
 from specserve.cluster.pair import SpeculativePair
 from specserve.config import SpecServeConfig
@@ -219,9 +219,7 @@ def test_the_verifier_loads_while_the_drafter_does(ray_session, pairs, monkeypat
                    if actor_id not in before and a["ActorClassName"] == "VerifierActor")
 
     def started(self):  # (Ray registers an actor asynchronously: looked for up to 10 s)
-        deadline = time.monotonic() + 10.0
-        while not verifiers() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(verifiers, within_s=10.0)
         verifiers_seen.append(verifiers())
         return real(self)
 
@@ -322,12 +320,7 @@ def drafter_empties(pair, within_s: float = 10.0) -> bool:
     """Finished sequences are released on the drafter right after their round (outside the
     engine's locks), so the count reaches 0 a moment after the result."""
     import ray
-    deadline = time.monotonic() + within_s
-    while ray.get(pair.drafter.actor.live_sequences.remote()) != 0:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return eventually(lambda: ray.get(pair.drafter.actor.live_sequences.remote()) == 0, within_s)
 
 
 def test_release_after_end_and_cancel(ray_session, pairs):

@@ -18,8 +18,7 @@ from specserve.builder import build_engine
 from specserve.config import REPO_ROOT, SpecServeConfig
 
 m = Path(REPO_ROOT) / "models" / "demo"
-engine = build_engine(SpecServeConfig(target=str(m / "target"), drafter=str(m / "drafter"), k=4, max_num_seqs=1,
-                                      speculation="fixed", compile=False))
+engine = build_engine(SpecServeConfig(target=str(m / "target"), drafter=None, k=0, max_num_seqs=1, compile=False))
 tokenizer = engine.target.tokenizer
 tasks = edit_tasks(m, 6, tokenizer)
 outputs = run_row(engine, [ids for ids, _ in tasks], 96, 0, "none")["outputs"]
