@@ -52,7 +52,7 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
                                dtype=dtype)
         try:
             rng = random.Random(i)
-            drafted_rounds = 0
+            drafted_rounds = hits = hit_able = 0
             for _ in range(4):
                 prompt = [rng.randrange(1, 290) for _ in range(rng.randint(1, 20))]
                 n, k = rng.randint(1, 48), rng.randint(1, 6)
@@ -64,8 +64,11 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
                 assert got.stats.num_target_passes <= len(got.token_ids)
                 if target == drafter and n > 1:
                     assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
-                    if pipeline and got.stats.num_drafts > 1:
-                        assert got.stats.num_pipeline_hits > 0
+                    hits += got.stats.num_pipeline_hits
+                    hit_able += got.stats.num_drafts > 1
+            # summed over the pair's requests: in one of a few drafted rounds the drafter's
+            # preparation can lose the race with the next Propose on a loaded 2-core machine
+            assert (hits > 0) == pipeline or not hit_able, (hits, hit_able)
             # the drafter server's counters (the benches' split of a round): one Propose per drafted
             # round at one sequence (more: catch-up calls), handler time covering its parts, and
             # background preparations only where pipelining is on

@@ -230,7 +230,7 @@ def test_a_hung_drafter_fails_the_stream_within_its_deadline(stub, monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED") as e:
             remote.propose([ProposeItem("hung", [4], 2)])
-        assert 0.5 <= time.monotonic() - t0 < 2.0
+        assert 0.5 <= time.monotonic() - t0 < 5.0  # (the stream would hang for good)
     monkeypatch.undo()
     # the engine gives the connection up and reconnects: the drafter, up all along, frees the old
     # connection's sequences at once (until stop 48 they held its slots until their TTL, 600 s)
@@ -306,7 +306,7 @@ def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_draft
     """A finished sequence is released right after the round, while the early send of the others
     is in flight: the release waits for neither those drafts nor the drafter's lock, and the wait
     for the drafts (in the next round) is that round's drafting, for the policy and in the
-    engine's round times. Here the drafter is held busy 0.3 s from the early send on."""
+    engine's round times. Here the drafter is held busy 0.6 s from the early send on."""
     import threading
 
     from specserve.verifier.client import RemoteProposer
@@ -319,7 +319,7 @@ def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_draft
     send_early = engine._send_early
 
     def busy_drafter_then_send(*args):
-        hold_model_lock(servicer, threading.Event(), 0.3)
+        hold_model_lock(servicer, threading.Event(), 0.6)
         return send_early(*args)
     engine._send_early = busy_drafter_then_send
     while not short.done.is_set():
@@ -327,11 +327,11 @@ def test_a_release_does_not_wait_for_early_drafts_and_their_wait_counts_as_draft
     engine._send_early = send_early
     assert engine.times.rounds >= 2
     waited = engine.times.seconds["early_wait"]
-    assert waited >= 0.25 and engine.times.seconds["release"] < 0.2, engine.times.to_dict()
+    assert waited >= 0.45 and engine.times.seconds["release"] < 0.3, engine.times.to_dict()
     engine.step()  # the round that uses those drafts: its drafting cost includes the wait
     observed = [h for (p, b), h in engine.policy.hit_costs.items() if b == 1] + \
         [d(3) for (p, b), d in engine.policy.draft_costs.items() if b == 1]
-    assert observed and max(observed) >= 0.25
+    assert observed and max(observed) >= 0.45
     while not long.done.is_set():
         engine.step()
     assert engine.times.rounds > 0
@@ -351,7 +351,7 @@ def test_a_release_never_waits_for_the_drafters_lock(stub):
     live = servicer.live_sequences
     t0 = time.monotonic()
     reply = s.Release(pb.ReleaseRequest(seq_ids=["to-go"]), timeout=10)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # (the lock is held 5 s)
     assert reply.live_sequences == live - 1 == servicer.live_sequences
     assert "to-go" in servicer.inner.seqs  # not applied yet: the lock is held
     done.set()
@@ -372,15 +372,15 @@ def test_a_release_is_not_waited_for_and_a_start_after_it_finds_it_applied(stub,
     real = servicer._drain_releases  # (what the Release handler calls before it answers)
 
     def slow():
-        time.sleep(0.5)
+        time.sleep(1.0)
         real()
 
     monkeypatch.setattr(servicer, "_drain_releases", slow)
     t0 = time.monotonic()
     remote.release_many(["r1", "r2"])
-    assert time.monotonic() - t0 < 0.25 and "r1.0" in servicer.inner.seqs  # sent, not applied yet
+    assert time.monotonic() - t0 < 0.5 and "r1.0" in servicer.inner.seqs  # sent, not applied yet
     remote.start("r3", [6, 7], SamplingParams())
-    assert time.monotonic() - t0 >= 0.5  # the Start waited for the Release's answer
+    assert time.monotonic() - t0 >= 1.0  # the Start waited for the Release's answer
     assert "r1.0" not in servicer.inner.seqs and "r2.0" not in servicer.inner.seqs and "r3.0" in servicer.inner.seqs
     remote.release_many(["r3"])
 
@@ -763,8 +763,8 @@ def test_a_reply_left_unread_past_its_deadline_does_not_end_the_stream(stub, mon
     stream = remote.client.stream
     time.sleep(1.0)  # over three deadlines, the reply unread
     assert len(remote.receive()[0].tokens) == 2 and remote.client.stream is stream
+    monkeypatch.undo()  # (the next reply is no test of the short deadline: a loaded machine may be slow)
     assert len(remote.propose([ProposeItem("unread", [5], 2)])[0].tokens) == 2
-    monkeypatch.undo()
     remote.release("unread")
     remote.client.close()
 
@@ -784,7 +784,7 @@ def test_a_long_rest_keeps_the_drafters_sequences_alive():
 
     target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
     want = SpeculativeEngine(ModelRunner(target), None, eos_ids=set()).generate([1, 2, 3], 120, SamplingParams(), 0)
-    ttl = 0.4
+    ttl = 1.0  # (0.4 until stop 57: a stall of ~0.3 s on a loaded machine would let the drafter reclaim)
     server, port, servicer = serve(drafter, host="127.0.0.1", pipeline=False, seq_ttl_s=ttl)
     try:
         proposer = RemoteProposer(f"127.0.0.1:{port}")
