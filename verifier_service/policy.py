@@ -331,7 +331,9 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
     misses of real rounds took 6.33 (median; benchmarks/diagnostics/profile_settle.py). Each k's
     calls enter the fit as their median (weighing reps calls), as profile_target's passes do: with
     each call entering alone, one stalled call at k = 1 (a busy 2-core CI machine) flattened the
-    fitted slope to 0 and M(1) = M(4). Runs at startup on
+    fitted slope to 0 and M(1) = M(4). The ks take turns within each repetition (until stop 57
+    each k's calls ran back to back, so a slow spell of the machine could raise one k's median
+    alone). Runs at startup on
     sequences of its own (released after); returns {b: M(k) fitted to its calls}, up to the
     largest batch the proposer took (a drafter with fewer free sequences stops the grid there)."""
     from specserve.core.proposer import CapacityError, ProposeItem
@@ -348,21 +350,23 @@ def profile_drafter(proposer, vocab_size: int, max_batch: int, max_k: int, reps:
             break
         try:
             costs, drafted = DraftCosts(), [[] for _ in ids]
-            for k in sorted({1, max_k}):
-                times = []
-                for rep in range(reps + 1):
-                    # two tokens, the first unlike the last draft's first: a miss for any outcome
-                    new = [[(d[0] + 1) % vocab_size if d else prompt[0]] * 2 for d in drafted]
-                    t0 = time.perf_counter()
-                    out = proposer.propose([ProposeItem(s, n, k) for s, n in zip(ids, new)])
-                    seconds = time.perf_counter() - t0
-                    drafted = [d.tokens for d in out]
-                    if rep:  # the first call of each k warms up
-                        times.append(seconds)
-                    if settle:  # let a pipelining drafter finish preparing the next round first
-                        time.sleep(settle * seconds)
-                for _ in times:
-                    costs.observe(k, statistics.median(times))
+            ks = sorted({1, max_k})
+            times: dict[int, list[float]] = {k: [] for k in ks}
+            # the ks take turns, as profile_target's widths do: a slow spell hits both alike
+            for rep, k in [(rep, k) for rep in range(reps + 1) for k in (ks if rep % 2 else ks[::-1])]:
+                # two tokens, the first unlike the last draft's first: a miss for any outcome
+                new = [[(d[0] + 1) % vocab_size if d else prompt[0]] * 2 for d in drafted]
+                t0 = time.perf_counter()
+                out = proposer.propose([ProposeItem(s, n, k) for s, n in zip(ids, new)])
+                seconds = time.perf_counter() - t0
+                drafted = [d.tokens for d in out]
+                if rep:  # the first call of each k warms up
+                    times[k].append(seconds)
+                if settle:  # let a pipelining drafter finish preparing the next round first
+                    time.sleep(settle * seconds)
+            for k in ks:
+                for _ in times[k]:
+                    costs.observe(k, statistics.median(times[k]))
             costs.prior_slope = costs.slope()  # (its own calls': the prior of the online fit)
             fits[b] = costs
         finally:
