@@ -279,6 +279,23 @@ def test_16_concurrent_streams_equal_solo(server, client):
     assert asyncio.run(all_()) == solo
 
 
+def test_a_burst_of_what_the_app_admits_gets_in_and_health_beside_it(server):
+    """36 requests at once, all the app admits (max_num_seqs 4 + max_waiting 32), and a /health
+    call with them: every one answered 200. Until stop 57 each caller's Serve queue (the proxy's,
+    the ingress's handle) held 16 requests waiting for their replica to be picked, and a burst had
+    some dropped by the proxy with a plain-text 503 ("Request dropped due to backpressure"): 6-12 of
+    41 at the default config, /health among them in a soak run."""
+    async def burst():
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as ac:
+            return await asyncio.gather(*[ac.post(server + "/v1/completions", json=body) for _ in range(36)],
+                                        ac.get(server + "/health"))
+
+    answers = asyncio.run(burst())
+    assert [r.status_code for r in answers] == [200] * 37, {r.text[:120] for r in answers if r.status_code != 200}
+    assert answers[-1].json()["status"] in ("ok", "degraded")
+
+
 def test_disconnect_frees_the_sequence(server):
     cancelled = metric(server, "specserve_request_failures_total", '{status="cancelled"}')
     with httpx.Client(timeout=60) as c:
