@@ -1,0 +1,53 @@
+"""Diagnostic (prints, writes no result file): N completions sent at once, with one /health call
+beside them, to the app at the default config (demo pair; 8 sequences run and 64 wait, so 72 are
+admitted), three bursts: right after it is up, and twice more. Prints each burst's status codes
+and the distinct bodies of what was not 200.
+
+Stop 57, before 3a12cfa (each caller's Serve queue held HEADROOM = 16 requests), N = 40: 9, 12
+and 6 of the 41 answered with Serve's plain-text 503 "Request dropped due to backpressure
+(num_queued_requests=16, max_queued_requests=16)". After it (the queues hold what each deployment
+admits): 41 of 41 answered 200 in each burst; N = 150: 97, 120 and 120 answered 200, the rest the
+engine's OpenAI-style 503 "overloaded: 8 running and 64 waiting requests".
+
+    .venv/bin/python benchmarks/diagnostics/burst.py 40     # N
+"""
+import asyncio
+import collections
+import socket
+import sys
+
+import httpx
+import ray
+from ray import serve
+
+from specserve.cluster.serve_app import build_app
+
+
+async def burst(url: str, n: int) -> tuple[dict, set]:
+    body = {"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n + 8)) as ac:
+        answers = await asyncio.gather(*[ac.post(url + "/v1/completions", json=body) for _ in range(n)],
+                                       ac.get(url + "/health"))
+    return (dict(collections.Counter(r.status_code for r in answers)),
+            {r.text[:160] for r in answers if r.status_code != 200})
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({}), name="specserve", route_prefix="/")
+    try:
+        for tag in ("fresh", "again", "again"):
+            codes, odd = asyncio.run(burst(f"http://127.0.0.1:{port}", n))
+            print(tag, codes, odd, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
