@@ -605,15 +605,15 @@ def build_app(args: dict | None = None):
     Concurrency comes from the config: the ingress admits every sequence the pairs can run or
     queue (num_pairs x (max_num_seqs + max_waiting)) plus headroom for /health and /metrics, so the
     engines' own bound answers overload with a prompt 503; Serve's queue in front of each
-    deployment is bounded too, as long as what it admits (a burst waits there for its replica to be
-    picked: see SpecServeConfig.HEADROOM)."""
+    deployment is bounded too, as long as the sequences the app admits (the ingress's also takes the
+    headroom; a burst waits there for its replica to be picked: see SpecServeConfig.HEADROOM)."""
     cfg = SpecServeConfig.from_dict(args)
     cfg.use_gpu = cfg.gpu()  # decided here, once, with the bundles: the replica's drafter asks what its bundle holds
     bundle = cfg.bundle()
     pair = PairReplica.options(
         num_replicas=cfg.num_pairs,
         max_ongoing_requests=cfg.pair_max_ongoing_requests(),
-        max_queued_requests=cfg.pair_max_ongoing_requests(),
+        max_queued_requests=cfg.pair_max_queued_requests(),
         health_check_period_s=5,
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
         placement_group_bundles=cfg.bundles(),

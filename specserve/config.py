@@ -169,7 +169,9 @@ class SpecServeConfig:
     # Each caller's queue (the proxy's, the ingress's handle) holds as many as its deployment admits:
     # in a burst, requests wait there for a replica to be picked, and until stop 57 (a queue of
     # HEADROOM) a burst of 40 at the default config, 72 admitted, had 6-12 dropped by the proxy with
-    # a plain-text 503 ("Request dropped due to backpressure"), /health among them.
+    # a plain-text 503 ("Request dropped due to backpressure"), /health among them. The ingress's
+    # one handle to the pairs queues every pair's sequences but not the headroom, so that requests
+    # waiting there for a pair (one restarting) leave the ingress room for /health and /metrics.
     HEADROOM = 16
 
     def pair_max_ongoing_requests(self) -> int:
@@ -177,6 +179,9 @@ class SpecServeConfig:
 
     def ingress_max_ongoing_requests(self) -> int:
         return self.num_pairs * (self.max_num_seqs + self.max_waiting) + self.HEADROOM
+
+    def pair_max_queued_requests(self) -> int:
+        return self.num_pairs * (self.max_num_seqs + self.max_waiting)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("SPECSERVE_API_KEY") or None

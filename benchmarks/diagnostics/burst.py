@@ -5,9 +5,9 @@ and the distinct bodies of what was not 200.
 
 Stop 57, before 3a12cfa (each caller's Serve queue held HEADROOM = 16 requests), N = 40: 9, 12
 and 6 of the 41 answered with Serve's plain-text 503 "Request dropped due to backpressure
-(num_queued_requests=16, max_queued_requests=16)". After it (the queues hold what each deployment
-admits): 41 of 41 answered 200 in each burst; N = 150: 97, 120 and 120 answered 200, the rest the
-engine's OpenAI-style 503 "overloaded: 8 running and 64 waiting requests".
+(num_queued_requests=16, max_queued_requests=16)". With the queues holding what the app admits
+(stop 57's final code): 41 of 41 answered 200 in each burst; N = 150: 96, 105 and 99 answered 200,
+the rest the engine's OpenAI-style 503 "overloaded: 8 running and 64 waiting requests".
 
     .venv/bin/python benchmarks/diagnostics/burst.py 40     # N
 """
