@@ -230,7 +230,7 @@ def test_a_hung_drafter_fails_the_stream_within_its_deadline(stub, monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED") as e:
             remote.propose([ProposeItem("hung", [4], 2)])
-        assert 0.5 <= time.monotonic() - t0 < 5.0  # (the stream would hang for good)
+        assert 0.5 <= time.monotonic() - t0 < 4.0  # (unpatched, the deadline is about 5 s)
     monkeypatch.undo()
     # the engine gives the connection up and reconnects: the drafter, up all along, frees the old
     # connection's sequences at once (until stop 48 they held its slots until their TTL, 600 s)
