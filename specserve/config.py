@@ -166,7 +166,7 @@ class SpecServeConfig:
 
     # Serve's limits, from the engine's: every sequence that may run or wait gets in, plus room
     # for /health, /metrics and cancellations; beyond that a prompt 503, never an unbounded queue.
-    # Each caller's queue (the proxy's, the ingress's handle) holds as many as its deployment admits:
+    # Each caller's queue (the proxy's, the ingress's handle) holds as many as the app admits:
     # in a burst, requests wait there for a replica to be picked, and until stop 57 (a queue of
     # HEADROOM) a burst of 40 at the default config, 72 admitted, had 6-12 dropped by the proxy with
     # a plain-text 503 ("Request dropped due to backpressure"), /health among them. The ingress's
