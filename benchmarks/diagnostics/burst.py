@@ -11,20 +11,17 @@ the rest the engine's OpenAI-style 503 "overloaded: 8 running and 64 waiting req
 
     .venv/bin/python benchmarks/diagnostics/burst.py 40     # N
 """
+import argparse
 import asyncio
 import collections
-import socket
-import sys
 
 import httpx
-import ray
-from ray import serve
 
-from specserve.cluster.serve_app import build_app
+from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint
 
 
-async def burst(url: str, n: int) -> tuple[dict, set]:
-    body = {"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+async def burst(url: str, model: str, n: int) -> tuple[dict, set]:
+    body = {"model": model, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n + 8)) as ac:
         answers = await asyncio.gather(*[ac.post(url + "/v1/completions", json=body) for _ in range(n)],
                                        ac.get(url + "/health"))
@@ -33,20 +30,17 @@ async def burst(url: str, n: int) -> tuple[dict, set]:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({}), name="specserve", route_prefix="/")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("n", type=int, nargs="?", default=40, help="completions per burst")
+    add_endpoint_args(p)  # (by default the app is started here, as the benches do)
+    args = p.parse_args()
+    ep = open_endpoint(args)
     try:
         for tag in ("fresh", "again", "again"):
-            codes, odd = asyncio.run(burst(f"http://127.0.0.1:{port}", n))
+            codes, odd = asyncio.run(burst(ep.url, ep.model, args.n))
             print(tag, codes, odd, flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ep.stop()
 
 
 if __name__ == "__main__":
