@@ -22,7 +22,8 @@ One pass (`forward_ids`) appends tokens to several slots at once (ragged lengths
   free slot, and the batch is sorted by slot) the keys are a view of the cache; otherwise the rows'
   slots are gathered.
 - `torch.compile` (inductor on a CPU, CUDA graphs on a GPU through mode "reduce-overhead") wraps
-  the layer stack, with dynamic sizes, so one compiled graph serves every batch size, width and
+  the layer stack, with the batch's sizes dynamic (rows, width, attended length, cache capacity)
+  and the model's static (`_compiler`), so one compiled graph serves every batch size, width and
   length. On a GPU, though, CUDA graphs are recorded per concrete shape (rows, width, bucketed
   length): the first pass of each new shape records one (a stall, and memory kept for it), and
   warm-up records only the shapes it runs (not measured yet: no GPU has run this code; its output
@@ -68,12 +69,21 @@ def supports(model) -> bool:
 
 
 def _compiler(device: torch.device):
+    """torch.compile for the pass. Static by default: the model's sizes (its heads, head size,
+    weights' shapes, RMSNorm epsilons) are constants of its graphs, and only the sizes that change
+    from pass to pass are dynamic, as `FastLlama._mark_dynamic` marks them at warm-up. Until stop
+    58 the pass was compiled with dynamic=True, every size symbolic, the model's too; and each
+    epsilon, a Python float, became a graph input that inductor could not keep, so dynamo traced
+    the first graph twice. On the 2-core AVX2 EPYC, from a cold cache, warming the demo drafter
+    took 196 s and the target 376 s that way, 57 s and 52 s this way, and the compiled passes ran
+    as fast or a little faster (docs/benchmarks/ab/compile_static_sizes.txt)."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
     fx_config.use_duck_shape = False  # equal sizes (b == t) must not be assumed equal forever
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    torch._dynamo.config.specialize_float = True  # (floats this process compiles are constants)
     mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
-    return lambda fn: torch.compile(fn, dynamic=True, mode=mode)
+    return lambda fn: torch.compile(fn, dynamic=None, mode=mode)
 
 
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -397,7 +407,9 @@ class FastLlama:
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
+        self.key_index = torch.arange(self.max_length, device=self.embed.device)  # (see _pass_eager)
         self.compiled = compile
+        self._warming = False  # in warmup(): the passes mark their dynamic sizes (_mark_dynamic)
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
         if compile:  # what the pass reads that is no module parameter (fused weights, tables) is static
@@ -471,7 +483,7 @@ class FastLlama:
         if self.compiled:  # the cache is written in place: CUDA graphs keep its address, no copy in
             for buffer in (*self.cache.k, *self.cache.v):
                 torch._dynamo.mark_static_address(buffer)
-        span = min(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.cache.capacity)
+        keys_at = self.key_index[:min(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.cache.capacity)]
         scratch = self.cache.scratch
         pos, wslot, wpos, slot_of, last = [], [], [], [], []
         for r in rows:
@@ -500,8 +512,10 @@ class FastLlama:
         ids = ids.index_select(0, row_t) if (order != list(range(b)) or big != b) else ids
         for s, s0, m in zip(slots, starts, n):  # (first: a pass that fails may have written some layers)
             self.cache.wrote(s, s0 + m)
-        args = (ids, pos_t, wslot_t, wpos_t, last_t, slot_t, span, compact, self.cache.k, self.cache.v, parent_t,
+        args = (ids, pos_t, wslot_t, wpos_t, last_t, slot_t, keys_at, compact, self.cache.k, self.cache.v, parent_t,
                 fork_t, vocab and self.vocab is not None)
+        if self.compiled and self._warming:
+            self._mark_dynamic(args)
         if self.compiled and self.device.type == "cuda":
             share_graph_trees()
         try:
@@ -528,15 +542,18 @@ class FastLlama:
             logits = logits.clone()
         return logits
 
-    def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, span: int, compact: bool, kcache, vcache,
+    def _pass_eager(self, ids, pos, wslot, wpos, last, slot_idx, keys_at, compact: bool, kcache, vcache,
                     parent_idx=None, fork=None, vocab: bool = False):
-        """The layer stack over a padded batch; the part that is compiled."""
+        """The layer stack over a padded batch; the part that is compiled. keys_at: the key
+        positions attended, 0..span-1 (a view of `key_index`: the span is a tensor's size, which
+        compiled is one dynamic size where an int argument would be a constant of each graph)."""
         b, t = ids.shape
+        span = keys_at.shape[0]
         if fork is not None:  # [b, 1, span, 1]: key positions a branch row reads from its parent
-            below = (torch.arange(span, device=ids.device)[None, :] < fork[:, None])[:, None, :, None]
+            below = (keys_at[None, :] < fork[:, None])[:, None, :, None]
         cos, sin = self.cos[pos][:, :, None], self.sin_signed[pos][:, :, None]  # [b, t, 1, d]
         # key j of a row is visible to query q when j <= the query's position
-        mask = (torch.arange(span, device=ids.device)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
+        mask = (keys_at[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, span]
         hidden = ~mask if self.exact_attention else None  # keys a query may not see (see _attend_same_bits)
         linear = self._linear_for(b * t)
         heads, kv_heads, d, inter = self.heads, self.kv_heads, self.head_dim, self.intermediate
@@ -652,6 +669,7 @@ class FastLlama:
         if any(self.cache.lengths):
             raise RuntimeError("warm up before serving: sequences are live")
         t0 = time.perf_counter()
+        self._warming = True
         try:
             self._warm(widths, branches)
         except Exception:
@@ -659,10 +677,29 @@ class FastLlama:
                 raise
             self._go_eager("compiling the forward failed: it runs eagerly")
             self._warm(widths, branches)
+        finally:
+            self._warming = False
         seconds = time.perf_counter() - t0
         if self.compiled:
             log.info("forward compiled and warm in %.1f s", seconds)
         return seconds
+
+    @staticmethod
+    def _mark_dynamic(args: tuple) -> None:
+        """The sizes that change from pass to pass, marked dynamic for the graphs warm-up compiles:
+        rows and width of the ids, positions and write targets, the attended length, and the
+        cache's capacity (it grows). Everything else is a constant of the graphs (`_compiler`).
+        Marked at warm-up only: a graph compiled with these sizes symbolic serves later passes
+        unmarked (test_compiled: serving compiles nothing)."""
+        import torch._dynamo
+        ids, pos, wslot, wpos, last, slot_idx, keys_at, _, kcache, vcache, parent_idx, fork, _ = args
+        for t in (ids, pos, wslot, wpos, last):
+            torch._dynamo.mark_dynamic(t, (0, 1))
+        for t in (slot_idx, keys_at, parent_idx, fork):
+            if t is not None:
+                torch._dynamo.mark_dynamic(t, 0)
+        for buffer in (*kcache, *vcache):
+            torch._dynamo.mark_dynamic(buffer, 2)
 
     def _go_eager(self, why: str) -> None:
         """Logs the exception being handled and runs the forward eagerly from now on."""
