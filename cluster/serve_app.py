@@ -484,7 +484,10 @@ class OpenAIIngress:
         cid, timer = completion_id(chat), self.metrics.timer()
         detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
         try:
+            await self._taken(stream)
             first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
+        except APIError:
+            raise
         except Exception as e:
             raise _pair_failed(e) from None
         except BaseException:  # the client went away before the first message (for a request that is not
@@ -508,6 +511,22 @@ class OpenAIIngress:
         if not detok.stopped:
             detok.flush()
         return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
+
+    async def _taken(self, stream) -> None:
+        """Waits until Serve has given the request to a pair replica, at most `pair_wait_s`; then a
+        503 the client may retry. Serve holds a request while no replica of the pairs is up, and
+        until stop 58 a request whose pair could not come back (its replica's restart failing)
+        waited for good, though /health said 503. (`_fetch_future_result_async`: Ray Serve 2.60's
+        private API, as `each_pair`'s; without it, no bound, as before.)"""
+        taken = getattr(stream, "_fetch_future_result_async", None)
+        if self.cfg.pair_wait_s is None or taken is None:
+            return
+        try:
+            await asyncio.wait_for(taken(), self.cfg.pair_wait_s)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise APIError(503, f"no pair took the request within {self.cfg.pair_wait_s:g} s (pairs restarting or "
+                           "down: see /health); retry", code="pair_unavailable", headers={"Retry-After": "5"}) from None
 
     @staticmethod
     async def _items(first, stream):

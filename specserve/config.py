@@ -47,6 +47,7 @@ class SpecServeConfig:
     gpus_per_actor: float = 1.0  # when on GPUs: 0.5 puts both actors of a pair on one GPU
     placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
     request_timeout_s: float | None = None  # a request running longer fails with HTTP 504 (None: no limit)
+    pair_wait_s: float | None = 60.0  # served: a request no pair replica takes this long (pairs restarting, down) fails with HTTP 503 (None: no limit)
     drafter_seq_ttl_s: float = 600.0  # the drafter reclaims a sequence with no call for this long
     drafter_hang_s: float = 60.0  # a drafter actor that runs but cannot be reached for this long after a failed call is restarted
     engine_hang_s: float | None = 300.0  # a pair whose engine loop has been in one step this long is restarted (None: never)
@@ -93,6 +94,8 @@ class SpecServeConfig:
         need(_is_number(self.gpus_per_actor) and 0 < self.gpus_per_actor <= 8, "gpus_per_actor must be in (0, 8]")
         need(self.request_timeout_s is None or (_is_number(self.request_timeout_s) and self.request_timeout_s > 0),
              "request_timeout_s must be null or a number > 0")
+        need(self.pair_wait_s is None or (_is_number(self.pair_wait_s) and self.pair_wait_s > 0),
+             "pair_wait_s must be null or a number > 0")
         need(_is_number(self.drafter_seq_ttl_s) and self.drafter_seq_ttl_s > 0, "drafter_seq_ttl_s must be a number > 0")
         need(_is_number(self.drafter_hang_s) and self.drafter_hang_s > 0, "drafter_hang_s must be a number > 0")
         need(self.engine_hang_s is None or (_is_number(self.engine_hang_s) and self.engine_hang_s > 0),

@@ -91,6 +91,7 @@ APP_ARGS = {
     "draft_vocab": (str, int),
     "placement_strategy": (str,),
     "request_timeout_s": (int, float, type(None)),
+    "pair_wait_s": (int, float, type(None)),
     "drafter_seq_ttl_s": (int, float),
     "drafter_hang_s": (int, float),
     "engine_hang_s": (int, float, type(None)),

@@ -208,6 +208,42 @@ def test_a_full_pair_queue_is_an_overload_not_a_failed_pair():
     assert e.headers["Retry-After"] and _pair_failed(RuntimeError("gone")).code == "pair_unavailable"
 
 
+def test_a_request_no_pair_takes_is_a_503_after_pair_wait_s(base, tiny_pair_dir, tmp_path):
+    """The only pair's replica killed while its restart fails (its target folder gone): a request
+    gets the OpenAI-shaped 503 `pair_unavailable` after `pair_wait_s`, beside /health's 503. Until
+    stop 58 it waited for good (Serve holds a request while no replica is up). With the folder
+    back, the pair comes back and serves."""
+    import shutil
+
+    from ray import serve
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair_dir["target"], target)
+    deploy("no-pair", {**tiny_pair_dir, "target": str(target)}, k=0, pair_wait_s=3)
+    url = f"{base}/no-pair"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    body = dict(model=MODEL, prompt="a", max_tokens=2, extra_body={"ignore_eos": True})
+    try:
+        assert client.completions.create(**body).usage.completion_tokens == 2
+        pid = serve.get_deployment_handle("PairReplica", "no-pair").drafter_info.remote().result()["replica_pid"]
+        target.rename(tmp_path / "gone")
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**body)
+        waited = time.monotonic() - t0
+        assert e.value.status_code == 503 and e.value.body["code"] == "pair_unavailable", e.value.body
+        assert e.value.response.headers["Retry-After"] and "within 3 s" in e.value.body["message"]
+        assert 3 <= waited < 20, waited
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        (tmp_path / "gone").rename(target)
+        deadline = time.monotonic() + 120  # (Serve retries the replica's start with a backoff)
+        while httpx.get(url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert client.completions.create(**body).usage.completion_tokens == 2
+    finally:
+        serve.delete("no-pair")
+
+
 def test_api_key_guards_v1_but_not_health(base, tiny_pair_dir):
     from ray import serve
     deploy("keyed", tiny_pair_dir, api_key="s3cret", max_num_seqs=2)
