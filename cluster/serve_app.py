@@ -521,12 +521,18 @@ class OpenAIIngress:
         taken = getattr(stream, "_fetch_future_result_async", None)
         if self.cfg.pair_wait_s is None or taken is None:
             return
-        try:
-            await asyncio.wait_for(taken(), self.cfg.pair_wait_s)
-        except asyncio.TimeoutError:
+        task = asyncio.ensure_future(taken())  # (asyncio.wait, not wait_for: Python 3.11's wait_for returns the
+        try:                                   # result when it is cancelled as the wait ends, and the client's
+            done, _ = await asyncio.wait({task}, timeout=self.cfg.pair_wait_s)  # disconnect would be lost)
+        except BaseException:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
             stream.cancel()
             raise APIError(503, f"no pair took the request within {self.cfg.pair_wait_s:g} s (pairs restarting or "
-                           "down: see /health); retry", code="pair_unavailable", headers={"Retry-After": "5"}) from None
+                           "down: see /health); retry", code="pair_unavailable", headers={"Retry-After": "5"})
+        task.result()  # (Serve's own errors: handled as the first message's)
 
     @staticmethod
     async def _items(first, stream):

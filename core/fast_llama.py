@@ -74,9 +74,10 @@ def _compiler(device: torch.device):
     from pass to pass are dynamic, as `FastLlama._mark_dynamic` marks them at warm-up. Until stop
     58 the pass was compiled with dynamic=True, every size symbolic, the model's too; and each
     epsilon, a Python float, became a graph input that inductor could not keep, so dynamo traced
-    the first graph twice. On the 2-core AVX2 EPYC, from a cold cache, warming the demo drafter
-    took 196 s and the target 376 s that way, 57 s and 52 s this way, and the compiled passes ran
-    as fast or a little faster (docs/benchmarks/ab/compile_static_sizes.txt)."""
+    the first graph twice. On the 2-core AVX2 EPYC, from a cold cache, loading and warming up the
+    demo drafter took 196 s and the target 376 s that way, 57 s and 52 s this way (6 s and 8 s
+    eager), and the compiled passes ran as fast or a little faster
+    (docs/benchmarks/ab/compile_static_sizes.txt)."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
     fx_config.use_duck_shape = False  # equal sizes (b == t) must not be assumed equal forever
@@ -407,7 +408,7 @@ class FastLlama:
         self.slots = slots
         self.cache = SlotKVCache(len(self.layers), slots, self.kv_heads, self.head_dim, self.max_length,
                                  like=self.embed, capacity=capacity)
-        self.key_index = torch.arange(self.max_length, device=self.embed.device)  # (see _pass_eager)
+        self.key_index = torch.arange(max(self.max_length, self.cache.capacity), device=self.embed.device)  # (_pass_eager)
         self.compiled = compile
         self._warming = False  # in warmup(): the passes mark their dynamic sizes (_mark_dynamic)
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
@@ -484,6 +485,8 @@ class FastLlama:
             for buffer in (*self.cache.k, *self.cache.v):
                 torch._dynamo.mark_static_address(buffer)
         keys_at = self.key_index[:min(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.cache.capacity)]
+        if self.compiled:  # (a view of a table that does not move, as the others in __init__)
+            torch._dynamo.mark_static_address(keys_at, guard=False)
         scratch = self.cache.scratch
         pos, wslot, wpos, slot_of, last = [], [], [], [], []
         for r in rows:
@@ -690,16 +693,18 @@ class FastLlama:
         rows and width of the ids, positions and write targets, the attended length, and the
         cache's capacity (it grows). Everything else is a constant of the graphs (`_compiler`).
         Marked at warm-up only: a graph compiled with these sizes symbolic serves later passes
-        unmarked (test_compiled: serving compiles nothing)."""
+        unmarked (test_compiled: serving compiles nothing). `maybe_mark_dynamic`: a size the
+        trace pins to a constant costs a graph per value (which test_compiled would see), where
+        `mark_dynamic` would fail the compile and run the forward eagerly."""
         import torch._dynamo
         ids, pos, wslot, wpos, last, slot_idx, keys_at, _, kcache, vcache, parent_idx, fork, _ = args
         for t in (ids, pos, wslot, wpos, last):
-            torch._dynamo.mark_dynamic(t, (0, 1))
+            torch._dynamo.maybe_mark_dynamic(t, (0, 1))
         for t in (slot_idx, keys_at, parent_idx, fork):
             if t is not None:
-                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         for buffer in (*kcache, *vcache):
-            torch._dynamo.mark_dynamic(buffer, 2)
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
 
     def _go_eager(self, why: str) -> None:
         """Logs the exception being handled and runs the forward eagerly from now on."""

@@ -236,9 +236,10 @@ def test_a_request_no_pair_takes_is_a_503_after_pair_wait_s(base, tiny_pair_dir,
         assert 3 <= waited < 20, waited
         assert httpx.get(url + "/health", timeout=30).status_code == 503
         (tmp_path / "gone").rename(target)
-        deadline = time.monotonic() + 120  # (Serve retries the replica's start with a backoff)
-        while httpx.get(url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # (Serve starts the replica again until it starts)
+        while (health := httpx.get(url + "/health", timeout=30)).status_code != 200 and time.monotonic() < deadline:
             time.sleep(1)
+        assert health.status_code == 200, health.text
         assert client.completions.create(**body).usage.completion_tokens == 2
     finally:
         serve.delete("no-pair")

@@ -2,8 +2,9 @@
 (`compile=True`: torch.compile of the layer stack, inductor on this CPU), one torch
 thread, median ms of 100 passes, two rounds alternating: the target's width-1 and width-5 passes,
 four drafter passes, and four drafter passes then a target width-5 pass (an in-process
-speculative round's model work). Compiling took 52-57 s per model on a cold inductor cache on
-the 2-core EPYC at stop 58 (196-376 s before, every size dynamic: docs/benchmarks/ab/compile_static_sizes.txt).
+speculative round's model work). Loading and warming up a compiled model took 52-57 s on a cold
+inductor cache on the 2-core EPYC at stop 58, 6-8 s eager (196-376 s before, every size dynamic:
+docs/benchmarks/ab/compile_static_sizes.txt).
 Made the compiled-forward figures in README.md and docs/benchmarks/README.md:
 
     .venv/bin/python benchmarks/diagnostics/compiled_vs_eager.py [models/demo]
