@@ -526,6 +526,8 @@ class OpenAIIngress:
             done, _ = await asyncio.wait({task}, timeout=self.cfg.pair_wait_s)  # disconnect would be lost)
         except BaseException:
             task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # (read: it failed as the client left; not logged as never retrieved)
             raise
         if not done:
             task.cancel()
