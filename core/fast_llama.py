@@ -71,7 +71,7 @@ def supports(model) -> bool:
 def _compiler(device: torch.device):
     """torch.compile for the pass. Static by default: the model's sizes (its heads, head size,
     weights' shapes, RMSNorm epsilons) are constants of its graphs, and only the sizes that change
-    from pass to pass are dynamic, as `FastLlama._mark_dynamic` marks them at warm-up. Until stop
+    from pass to pass are dynamic, as `FastLlama._mark_warm_up_inputs` marks them at warm-up. Until stop
     58 the pass was compiled with dynamic=True, every size symbolic, the model's too; and each
     epsilon, a Python float, became a graph input that inductor could not keep, so dynamo traced
     the first graph twice. On the 2-core AVX2 EPYC, from a cold cache, loading and warming up the
@@ -410,7 +410,7 @@ class FastLlama:
                                  like=self.embed, capacity=capacity)
         self.key_index = torch.arange(max(self.max_length, self.cache.capacity), device=self.embed.device)  # (_pass_eager)
         self.compiled = compile
-        self._warming = False  # in warmup(): the passes mark their dynamic sizes (_mark_dynamic)
+        self._warming = False  # in warmup(): the passes mark their inputs for compiling (_mark_warm_up_inputs)
         self._min_size = 2 if compile else 1  # a compiled graph specialises sizes 0 and 1: pad past them
         self._pass = _compiler(self.embed.device)(self._pass_eager) if compile else self._pass_eager
         if compile:  # what the pass reads that is no module parameter (fused weights, tables) is static
@@ -485,8 +485,6 @@ class FastLlama:
             for buffer in (*self.cache.k, *self.cache.v):
                 torch._dynamo.mark_static_address(buffer)
         keys_at = self.key_index[:min(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.cache.capacity)]
-        if self.compiled:  # (a view of a table that does not move, as the others in __init__)
-            torch._dynamo.mark_static_address(keys_at, guard=False)
         scratch = self.cache.scratch
         pos, wslot, wpos, slot_of, last = [], [], [], [], []
         for r in rows:
@@ -518,7 +516,7 @@ class FastLlama:
         args = (ids, pos_t, wslot_t, wpos_t, last_t, slot_t, keys_at, compact, self.cache.k, self.cache.v, parent_t,
                 fork_t, vocab and self.vocab is not None)
         if self.compiled and self._warming:
-            self._mark_dynamic(args)
+            self._mark_warm_up_inputs(args)
         if self.compiled and self.device.type == "cuda":
             share_graph_trees()
         try:
@@ -688,16 +686,19 @@ class FastLlama:
         return seconds
 
     @staticmethod
-    def _mark_dynamic(args: tuple) -> None:
+    def _mark_warm_up_inputs(args: tuple) -> None:
         """The sizes that change from pass to pass, marked dynamic for the graphs warm-up compiles:
         rows and width of the ids, positions and write targets, the attended length, and the
         cache's capacity (it grows). Everything else is a constant of the graphs (`_compiler`).
         Marked at warm-up only: a graph compiled with these sizes symbolic serves later passes
         unmarked (test_compiled: serving compiles nothing). `maybe_mark_dynamic`: a size the
         trace pins to a constant costs a graph per value (which test_compiled would see), where
-        `mark_dynamic` would fail the compile and run the forward eagerly."""
+        `mark_dynamic` would fail the compile and run the forward eagerly. And `keys_at`, a view at
+        the start of a table that does not move, as a static address, as the tables in __init__
+        (unguarded: read when a graph is compiled, so later passes need no mark)."""
         import torch._dynamo
         ids, pos, wslot, wpos, last, slot_idx, keys_at, _, kcache, vcache, parent_idx, fork, _ = args
+        torch._dynamo.mark_static_address(keys_at, guard=False)
         for t in (ids, pos, wslot, wpos, last):
             torch._dynamo.maybe_mark_dynamic(t, (0, 1))
         for t in (slot_idx, keys_at, parent_idx, fork):

@@ -180,11 +180,11 @@ class SpecServeConfig:
     def pair_max_ongoing_requests(self) -> int:
         return self.max_num_seqs + self.max_waiting + self.HEADROOM
 
-    def ingress_max_ongoing_requests(self) -> int:
-        return self.num_pairs * (self.max_num_seqs + self.max_waiting) + self.HEADROOM
-
     def pair_max_queued_requests(self) -> int:
         return self.num_pairs * (self.max_num_seqs + self.max_waiting)
+
+    def ingress_max_ongoing_requests(self) -> int:
+        return self.pair_max_queued_requests() + self.HEADROOM
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("SPECSERVE_API_KEY") or None
