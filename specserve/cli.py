@@ -186,6 +186,31 @@ def last_line(error: Exception, default: str) -> str:
     return lines[-1] if lines else default
 
 
+def deploy_failure(app: str) -> str | None:
+    """Why Serve gave up on the app's deployments: each failed one's name and the last line of
+    the error its replicas died with (`serve.run` itself raises only "Failed to update the
+    deployments [...]", the cause in the controller's log: until stop 59 that was all a user saw).
+    None when Serve's status says nothing more."""
+    import re
+
+    from ray import serve
+    try:
+        deployments = serve.status().applications[app].deployments
+    except Exception:  # (the controller gone as well: the caller says what serve.run raised)
+        return None
+    said = []
+    for name, d in deployments.items():
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in (d.message or "").splitlines()]
+        lines = [line for line in lines if line and not line.startswith("^")]
+        if str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines:
+            cause = lines[-1]
+            head, sep, rest = cause.partition(": ")  # specserve.core.runner.ModelLoadError: ... -> ModelLoadError: ...
+            if sep and " " not in head:
+                cause = f"{head.rsplit('.', 1)[-1]}: {rest}"
+            said.append(f"{name}: {cause}")
+    return "; ".join(said) or None
+
+
 def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
     """(app args, http options, the fields `specserve serve` does not apply) from a Serve config
     file (its one application's args, and its http_options) or from a plain YAML mapping of app
@@ -315,6 +340,9 @@ def cmd_serve(args) -> int:
         raise CLIError(f"cannot listen at {host}:{port}: {taken}")
     fresh = ensure_ray()
     have = ray.cluster_resources()
+    if str(cfg.device).startswith("cuda") and not cfg.gpu() and not have.get("GPU"):  # the actors would die
+        # loading, each three times (Serve retries a replica): until stop 59 told as "Failed to update the deployments"
+        raise CLIError(f"device {cfg.device!r} runs the models on GPUs, but the Ray cluster has none")
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
     if short:  # Serve would wait for them for good, silently
@@ -329,7 +357,7 @@ def cmd_serve(args) -> int:
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
-        raise CLIError(f"the app did not start: {last_line(e, type(e).__name__)} "
+        raise CLIError(f"the app did not start: {deploy_failure('specserve') or last_line(e, type(e).__name__)} "
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"

@@ -161,7 +161,21 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
     no_weights, no_tokenizer = tmp_path / "no_weights", tmp_path / "no_tokenizer"
     for folder, skip in ((no_weights, ".safetensors"), (no_tokenizer, "tokenizer.json")):
         shutil.copytree(tiny_pair_dir["target"], folder, ignore=lambda d, names: [n for n in names if n.endswith(skip)])
+    # stop 59: weights cut short, and a sharded model missing a shard, failed in the actors, after the target
+    # loaded, three times over (Serve retries a replica); `serve` then said "Failed to update the deployments"
+    cut, unsharded = tmp_path / "cut", tmp_path / "missing_shard"
+    for folder in (cut, unsharded):
+        shutil.copytree(tiny_pair_dir["drafter"], folder)
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    (unsharded / "model.safetensors").rename(unsharded / "model-00001-of-00002.safetensors")
+    (unsharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "lm_head.weight": "model-00002-of-00002.safetensors", "model.norm.weight": "model-00001-of-00002.safetensors"}}))
     cases = (
+            (["serve", "--target", tiny_pair_dir["target"], "--drafter", str(cut)],
+             "the weights 'model.safetensors' in '%s' do not load: Error while deserializing header" % cut),
+            (["serve", "--target", tiny_pair_dir["target"], "--drafter", str(unsharded)],
+             "lacks 1 of the 2 weight shards its model.safetensors.index.json names, 'model-00002-of-00002.safetensors'"),
             (["generate", "--threads", "-1", "--prompt", "x"], "--threads must be in [0, "),
             (["generate", "--threads", "99999", "--prompt", "x"], "--threads must be in [0, "),
             (["serve", "--config", str(not_utf8)], "cannot read config"),
@@ -219,11 +233,32 @@ def test_bad_invocations_found_in_stop_49_are_messages():
     if not torch.cuda.is_available():
         cases.append((["generate", "--distributed", "--device", "cuda", "--prompt", "x", "--max-tokens", "2"],
                       "the pair did not start: ActorDiedError"))
+        # stop 59: the actors were placed without a GPU and died loading; Serve retried each three times
+        cases.append((["serve", "--device", "cuda"], "device 'cuda' runs the models on GPUs, but the Ray cluster has none"))
     for argv, message in cases:
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     held.close()
+
+
+def test_a_replica_that_cannot_start_is_told_with_its_cause(tiny_pair_dir, tmp_path):
+    """A target whose weights do not fit its config passes every check `serve` makes before Ray
+    (its header reads; only loading finds the shapes wrong), and its replica dies loading. Until
+    stop 59 `serve` then said only "Deploying application specserve failed: Failed to update the
+    deployments ['PairReplica']", the cause left in the Serve controller's log."""
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair_dir["target"], target)
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (target / "config.json").write_text(json.dumps(config))
+    from conftest import free_port
+    r = run_cli(["serve", "--target", str(target), "--no-speculation", "--port", str(free_port())])
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("specserve: error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("specserve: error: the app did not start: PairReplica: ModelLoadError: cannot load a "
+                               f"causal LM from {str(target)!r}"), lines[0]
 
 
 def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default(tmp_path, monkeypatch, capsys):
