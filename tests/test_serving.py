@@ -296,6 +296,28 @@ def test_a_burst_of_what_the_app_admits_gets_in_and_health_beside_it(server):
     assert answers[-1].json()["status"] in ("ok", "degraded")
 
 
+def test_a_burst_past_what_the_app_admits_is_answered_in_the_api_s_shape(server):
+    """240 requests at once, against 36 the app admits: each is answered 200 or the engine's
+    OpenAI-style 503 with Retry-After, and each 503 is counted in /metrics. Until stop 59 the
+    ingress took only what the app admits (plus headroom) and Serve's proxy dropped the rest of a
+    larger burst with a plain-text 503, "Request dropped due to backpressure", that no counter saw
+    (40 of a burst of 300 at the default config in a user trial)."""
+    failed = metric(server, "specserve_request_failures_total", '{status="503"}')
+
+    async def burst():
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as ac:
+            return await asyncio.gather(*[ac.post(server + "/v1/completions", json=body) for _ in range(240)])
+
+    answers = asyncio.run(burst())
+    plain = {r.text[:120] for r in answers if not r.headers.get("content-type", "").startswith("application/json")}
+    assert not plain, plain
+    refused = [r for r in answers if r.status_code != 200]
+    assert {r.status_code for r in refused} <= {503} and all(r.headers.get("retry-after") for r in refused)
+    assert all(r.json()["error"]["message"] for r in refused) and len(refused) < 240
+    assert metric(server, "specserve_request_failures_total", '{status="503"}') == failed + len(refused)
+
+
 def test_disconnect_frees_the_sequence(server):
     cancelled = metric(server, "specserve_request_failures_total", '{status="cancelled"}')
     with httpx.Client(timeout=60) as c:
