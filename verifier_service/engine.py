@@ -360,8 +360,9 @@ class SpeculativeEngine:
             if any(r.id == req.id for r in list(self.waiting) + self._admitting + self.running + starting):
                 raise InvalidRequest(f"request id {req.id!r} is in use by a running request", "id")
             if len(self.waiting) >= self.max_waiting + len(self.free_slots):  # free slots take waiters first
+                free = f", and {len(self.free_slots)} free slots they are about to take" if self.free_slots else ""
                 raise Overloaded(f"overloaded: {len(self.running)} running and {len(self.waiting)} waiting "
-                                 f"requests (queue bound {self.max_waiting}); retry later")
+                                 f"requests (queue bound {self.max_waiting}{free}); retry later")
             self.waiting.append(req)
             self.work.notify()
         return req

@@ -9,6 +9,12 @@ and 6 of the 41 answered with Serve's plain-text 503 "Request dropped due to bac
 (stop 57's final code): 41 of 41 answered 200 in each burst; N = 150: 96, 105 and 99 answered 200,
 the rest the engine's OpenAI-style 503 "overloaded: 8 running and 64 waiting requests".
 
+Stop 59, N = 1000 (the status codes, "plain text" for answers not in the API's JSON): before
+cb64bc9, 667 to 682 of the 1001 answers in each of three bursts were Serve's plain-text 503
+"Request dropped due to backpressure (num_queued_requests=88, max_queued_requests=88)"; since (the
+ingress takes BURST = 1024 more requests only to answer them the API's 503), none in three bursts,
+with as many 200s (237-308 before, 275-315 since).
+
     .venv/bin/python benchmarks/diagnostics/burst.py 40     # N
 """
 import argparse
@@ -25,8 +31,9 @@ async def burst(url: str, model: str, n: int) -> tuple[dict, set]:
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n + 8)) as ac:
         answers = await asyncio.gather(*[ac.post(url + "/v1/completions", json=body) for _ in range(n)],
                                        ac.get(url + "/health"))
-    return (dict(collections.Counter(r.status_code for r in answers)),
-            {r.text[:160] for r in answers if r.status_code != 200})
+    return (dict(collections.Counter(
+        r.status_code if r.headers.get("content-type", "").startswith("application/json") else f"{r.status_code} plain text"
+        for r in answers)), {r.text[:160] for r in answers if r.status_code != 200})
 
 
 def main() -> None:
