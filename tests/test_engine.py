@@ -93,6 +93,26 @@ def test_sampling_seed_reproducible_and_varies():
     assert a != c
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_a_seeded_request_s_text_does_not_depend_on_max_tokens(method):
+    """A seeded sampled request's text with max_tokens n is the first n tokens of its text with a
+    larger max_tokens, as in plain decoding. Until stop 59 the last round drafted only as many
+    tokens as the budget had left, so it drew other random numbers than the longer request's round
+    at that point, and its last tokens differed (17 of 32 seeded cases through the served API)."""
+    target, drafter = tiny_model("llama", V, seed=3), tiny_model("llama", V, seed=4, hidden=32, layers=1)
+    engine = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(drafter)), eos_ids=set(),
+                               ngram=True)
+    differ = 0
+    for seed in range(6):
+        params = SamplingParams(temperature=0.8, seed=seed)
+        full = engine.generate([1, 2, 3], 24, params, k=4, method=method).token_ids
+        assert len(full) == 24
+        for n in range(1, 24):
+            short = engine.generate([1, 2, 3], n, params, k=4, method=method).token_ids
+            differ += short != full[:n]
+    assert differ == 0
+
+
 @pytest.mark.parametrize("q_dtype, dtype", [(None, torch.float32), (torch.bfloat16, torch.float32),
                                             (None, torch.bfloat16)],
                          ids=["q-float32", "q-bfloat16-wire", "models-bfloat16"])
@@ -107,7 +127,12 @@ def test_sampled_tokens_follow_target_distribution(q_dtype, dtype):
     v, length = 8, 6
     target = tiny_model("llama", v, seed=5, initializer_range=0.5).to(dtype)
     drafter = tiny_model("llama", v, seed=6, initializer_range=0.5).to(dtype)
-    params = dict(temperature=1.3, top_k=6)
+    # top_k in float32 only: in bfloat16 the engine's lean forward and the HF forward that makes the
+    # reference round differently, and at a near-tie on the top_k boundary they keep different tokens
+    # (after [1, 2, 0, 6, 6] logits 4 and 5 are -0.0549 and -0.0084 in the lean forward, -0.0469 and
+    # -0.0569 in HF's): a token the engine rightly keeps lay outside the reference's support once the
+    # seeds' draws changed in stop 59 (its seeded rounds draft k near the budget's end)
+    params = dict(temperature=1.3, top_k=6) if dtype == torch.float32 else dict(temperature=1.3)
     # batched, 8 sequences a round (until stop 51 one at a time: in-process batches were checked for
     # reproducibility only)
     engine = SpeculativeEngine(ModelRunner(target, slots=8),

@@ -270,7 +270,11 @@ def test_outcomes_sent_early_keep_greedy_and_sampled_output_exact():
         assert remote.early_drafts > 0
         for seed in range(4):
             params = SamplingParams(temperature=1.1, seed=seed)
-            assert remote.generate([1, 2], 30, params, 3).token_ids == local.generate([1, 2], 30, params, 3).token_ids
+            full = remote.generate([1, 2], 30, params, 3).token_ids
+            assert full == local.generate([1, 2], 30, params, 3).token_ids
+            # and a shorter max_tokens cuts the same text (stop 59: the last round drafted fewer, and drew other numbers)
+            assert [remote.generate([1, 2], n, params, 3).token_ids for n in (1, 2, 4, 7, 11)] == \
+                [full[:n] for n in (1, 2, 4, 7, 11)]
         early = remote.early_drafts
         n = 1500
         reqs = [remote.submit([1, 2], 3, SamplingParams(temperature=1.0, seed=s), k=1) for s in range(n)]
