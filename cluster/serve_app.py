@@ -407,6 +407,9 @@ class OpenAIIngress:
         with self._counting_failures():
             self._authorize(request)
             body = await self._json(request)
+            model = body.get("model") if isinstance(body, dict) else None
+            if isinstance(model, str) and model:  # an unknown model is told first, as on /v1/completions
+                self._check_model(model)  # (until stop 59 a model without a chat template answered 400 for it)
             prompt = chat_prompt(body, self.tokenizer)
             req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
             return await self._serve(req, prompt, chat=True)
@@ -459,10 +462,13 @@ class OpenAIIngress:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (RecursionError: nested too deep)
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    async def _serve(self, req, prompt, chat: bool):
-        if req.model != self.cfg.model:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model!r}",
+    def _check_model(self, model: str) -> None:
+        if model != self.cfg.model:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
+
+    async def _serve(self, req, prompt, chat: bool):
+        self._check_model(req.model)
         try:  # (a long prompt off the event loop, as its body)
             prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat) if len(prompt) < 1 << 14 else \
                 await asyncio.to_thread(prompt_token_ids, self.tokenizer, prompt, chat)
