@@ -399,6 +399,7 @@ class OpenAIIngress:
         with self._counting_failures():
             self._authorize(request)
             body = await self._json(request)
+            self._check_model(body)
             req = parse_completion(body, self.cfg.model)
             return await self._serve(req, req.prompt, chat=False)
 
@@ -407,9 +408,7 @@ class OpenAIIngress:
         with self._counting_failures():
             self._authorize(request)
             body = await self._json(request)
-            model = body.get("model") if isinstance(body, dict) else None
-            if isinstance(model, str) and model:  # an unknown model is told first, as on /v1/completions
-                self._check_model(model)  # (until stop 59 a model without a chat template answered 400 for it)
+            self._check_model(body)
             prompt = chat_prompt(body, self.tokenizer)
             req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
             return await self._serve(req, prompt, chat=True)
@@ -462,13 +461,17 @@ class OpenAIIngress:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (RecursionError: nested too deep)
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def _check_model(self, model: str) -> None:
-        if model != self.cfg.model:
+    def _check_model(self, body) -> None:
+        """404 for a body naming a model this server does not serve, before anything else in it is
+        judged (a model that is missing or no string: the 400 of the body's checks). Until stop 59
+        the model was checked last, and a chat request for an unknown model got the 400 of its
+        messages, or of a model without a chat template."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and model and model != self.cfg.model:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
 
     async def _serve(self, req, prompt, chat: bool):
-        self._check_model(req.model)
         try:  # (a long prompt off the event loop, as its body)
             prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat) if len(prompt) < 1 << 14 else \
                 await asyncio.to_thread(prompt_token_ids, self.tokenizer, prompt, chat)
@@ -635,11 +638,12 @@ class OpenAIIngress:
 
 def build_app(args: dict | None = None):
     """The Serve application for a plain config mapping (the fields of `SpecServeConfig`).
-    Concurrency comes from the config: the ingress admits every sequence the pairs can run or
-    queue (num_pairs x (max_num_seqs + max_waiting)) plus headroom for /health and /metrics, so the
-    engines' own bound answers overload with a prompt 503; Serve's queue in front of each
-    deployment is bounded too, as long as the sequences the app admits (the ingress's also takes the
-    headroom; a burst waits there for its replica to be picked: see SpecServeConfig.HEADROOM)."""
+    Concurrency comes from the config: the pairs take every sequence they can run or queue
+    (num_pairs x (max_num_seqs + max_waiting)), so the engines' own bound answers overload with a
+    prompt 503; the ingress takes as many plus headroom for /health and /metrics plus a burst's room
+    (SpecServeConfig.BURST), to answer a burst the API's 503 too; Serve's queue in front of each
+    deployment is bounded, as long as what the deployment takes (a burst waits there for its
+    replica to be picked: see SpecServeConfig.HEADROOM)."""
     cfg = SpecServeConfig.from_dict(args)
     cfg.use_gpu = cfg.gpu()  # decided here, once, with the bundles: the replica's drafter asks what its bundle holds
     bundle = cfg.bundle()

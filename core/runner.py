@@ -180,31 +180,36 @@ def check_weights(path: str) -> None:
 
 
 def _check_safetensors(path: str, files: list[str]) -> None:
-    """Each safetensors file's header reads and its tensors lie within the file (a download cut
-    short, a file that is not safetensors), and a sharded model's index names no missing shard:
+    """The safetensors weights transformers would load (as it picks them: `model.safetensors`,
+    else the shards its index names) have headers that read and tensors within the file (a
+    download cut short, a file that is not safetensors), and the index names no missing shard:
     until stop 59 these failed only in the actors, after the target had loaded, and a Serve replica
     retried the load three times before `specserve serve` said 'Failed to update the deployments'.
     Reads the headers only (milliseconds, whatever the model's size)."""
     import json
 
     from safetensors import safe_open
-    for name in sorted(files):
-        if name.endswith(".safetensors.index.json"):
-            try:
-                with open(os.path.join(path, name), encoding="utf-8") as f:
-                    shards = set(json.load(f)["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ModelLoadError(f"cannot read the shard index {name!r} in {path!r}: {e}") from None
-            missing = sorted(s for s in shards if not os.path.isfile(os.path.join(path, str(s))))
-            if missing:
-                raise ModelLoadError(f"model path {path!r} lacks {len(missing)} of the {len(shards)} weight shards "
-                                     f"its {name} names, {missing[0]!r} first")
-        elif name.endswith(".safetensors"):
-            try:
-                with safe_open(os.path.join(path, name), framework="np"):
-                    pass
-            except Exception as e:  # (safetensors' own error type, or an OSError)
-                raise ModelLoadError(f"the weights {name!r} in {path!r} do not load: {e}") from None
+    index = "model.safetensors.index.json"
+    if "model.safetensors" in files:
+        names = ["model.safetensors"]
+    elif index in files:
+        try:
+            with open(os.path.join(path, index), encoding="utf-8") as f:
+                names = sorted({str(s) for s in json.load(f)["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read the shard index {index!r} in {path!r}: {e}") from None
+        missing = [s for s in names if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise ModelLoadError(f"model path {path!r} lacks {len(missing)} of the {len(names)} weight shards "
+                                 f"its {index} names, {missing[0]!r} first")
+    else:
+        return  # (PyTorch .bin weights: loading them is the check)
+    for name in names:
+        try:
+            with safe_open(os.path.join(path, name), framework="np"):
+                pass
+        except Exception as e:  # (safetensors' own error type, or an OSError)
+            raise ModelLoadError(f"the weights {name!r} in {path!r} do not load: {e}") from None
 
 
 def same_tokenizer(a, b) -> bool:

@@ -200,14 +200,15 @@ def deploy_failure(app: str) -> str | None:
         return None
     said = []
     for name, d in deployments.items():
-        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in (d.message or "").splitlines()]
-        lines = [line for line in lines if line and not line.startswith("^")]
-        if str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines:
-            cause = lines[-1]
-            head, sep, rest = cause.partition(": ")  # specserve.core.runner.ModelLoadError: ... -> ModelLoadError: ...
-            if sep and " " not in head:
-                cause = f"{head.rsplit('.', 1)[-1]}: {rest}"
-            said.append(f"{name}: {cause}")
+        lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line).strip() for line in (d.message or "").splitlines()]
+        lines = [line for line in lines if line]
+        if not (str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines):
+            continue
+        # the last exception's own line ("pkg.ModelLoadError: ..."), not what follows a message of several
+        # lines (a CUDA error ends "Compile with `TORCH_USE_CUDA_DSA` ..."); else the last line
+        raised = [m for m in map(re.compile(r"^([\w.]+)(\([\w.]+\))?: (.*)").match, lines) if m]
+        cause = f"{raised[-1].group(1).rsplit('.', 1)[-1]}: {raised[-1].group(3)}" if raised else lines[-1]
+        said.append(f"{name}: {cause}")
     return "; ".join(said) or None
 
 
@@ -340,9 +341,11 @@ def cmd_serve(args) -> int:
         raise CLIError(f"cannot listen at {host}:{port}: {taken}")
     fresh = ensure_ray()
     have = ray.cluster_resources()
-    if str(cfg.device).startswith("cuda") and not cfg.gpu() and not have.get("GPU"):  # the actors would die
-        # loading, each three times (Serve retries a replica): until stop 59 told as "Failed to update the deployments"
-        raise CLIError(f"device {cfg.device!r} runs the models on GPUs, but the Ray cluster has none")
+    if str(cfg.device).startswith("cuda") and cfg.use_gpu is None and not have.get("GPU"):  # the actors would
+        # die loading, Serve retrying each: until stop 59 told as "Failed to update the deployments" (use_gpu: false
+        # is left alone: a process may see a GPU that Ray does not count, and Ray 2.60 hides none from an actor)
+        raise CLIError(f"device {cfg.device!r} runs the models on GPUs, but the Ray cluster has none "
+                       "(use_gpu: true in a config waits for GPU nodes to join)")
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
     if short:  # Serve would wait for them for good, silently

@@ -169,7 +169,7 @@ class SpecServeConfig:
 
     # Serve's limits, from the engine's: every sequence that may run or wait gets in, plus room
     # for /health, /metrics and cancellations; beyond that a prompt 503, never an unbounded queue.
-    # Each caller's queue (the proxy's, the ingress's handle) holds as many as the app admits:
+    # Each caller's queue (the proxy's, the ingress's handle) holds as many as its deployment takes:
     # in a burst, requests wait there for a replica to be picked, and until stop 57 (a queue of
     # HEADROOM) a burst of 40 at the default config, 72 admitted, had 6-12 dropped by the proxy with
     # a plain-text 503 ("Request dropped due to backpressure"), /health among them. The ingress's
@@ -180,7 +180,8 @@ class SpecServeConfig:
     # 503: the pairs' handle refuses what they cannot queue at once (BackPressureError), and the
     # ingress says so in the API's shape. Until stop 59 the ingress took only what the app admits,
     # and Serve's proxy dropped the rest of a larger burst with its plain-text 503, uncounted in
-    # /metrics (a burst of 300 at the default config: 40 of 300, and 194-204 in other runs).
+    # /metrics (a burst of 1001 at the default config: 667-682 of them, benchmarks/diagnostics/burst.py).
+    # The cost: each is read, parsed and tokenized before the refusal (see README, "Overload").
     BURST = 1024
 
     def pair_max_ongoing_requests(self) -> int:

@@ -234,7 +234,9 @@ def test_bad_invocations_found_in_stop_49_are_messages():
         cases.append((["generate", "--distributed", "--device", "cuda", "--prompt", "x", "--max-tokens", "2"],
                       "the pair did not start: ActorDiedError"))
         # stop 59: the actors were placed without a GPU and died loading; Serve retried each three times
-        cases.append((["serve", "--device", "cuda"], "device 'cuda' runs the models on GPUs, but the Ray cluster has none"))
+        from conftest import free_port
+        cases.append((["serve", "--device", "cuda", "--port", str(free_port())],
+                      "device 'cuda' runs the models on GPUs, but the Ray cluster has none"))
     for argv, message in cases:
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

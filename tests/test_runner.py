@@ -339,3 +339,24 @@ def test_every_gemm_layout_scores_what_hugging_face_scores():
     packed = _pack(w)
     assert torch.allclose(_packed_product(x, packed), torch.nn.functional.linear(x, w), atol=1e-5)
     assert all(torch.equal(_packed_product(x[:n], packed), _packed_product(x, packed)[:n]) for n in (1, 2, 5))
+
+
+def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path):
+    """check_weights reads the headers of the safetensors files transformers would load:
+    model.safetensors where there is one (a stale shard index beside it, left by a re-save, and
+    other safetensors files are not its), else the shards its index names."""
+    import shutil
+
+    from specserve.core.runner import ModelLoadError, check_weights
+    folder = tmp_path / "drafter"
+    shutil.copytree(tiny_pair_dir["drafter"], folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    (folder / "adapter.safetensors").write_bytes(b"not safetensors")
+    check_weights(str(folder))  # loads: transformers takes model.safetensors
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:-8])
+    with pytest.raises(ModelLoadError, match="'model.safetensors' in .* do not load"):
+        check_weights(str(folder))
+    (folder / "model.safetensors").rename(folder / "part-1.safetensors")
+    with pytest.raises(ModelLoadError, match="lacks 1 of the 1 weight shards"):
+        check_weights(str(folder))

@@ -347,9 +347,11 @@ def test_failed_requests_are_counted_by_status(server, client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=0)
-    with pytest.raises(openai.NotFoundError):  # the unknown model first, as on /v1/completions (until stop 59
+    with pytest.raises(openai.NotFoundError):  # the unknown model before the body's other checks (until stop 59
         client.chat.completions.create(model="nope", messages=[])  # the messages' 400, or no chat template's)
-    assert metric(server, "specserve_request_failures_total", '{status="404"}') == before["404"] + 2
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=0)
+    assert metric(server, "specserve_request_failures_total", '{status="404"}') == before["404"] + 3
     assert metric(server, "specserve_request_failures_total", '{status="400"}') == before["400"] + 2
     assert metric(server, "specserve_requests_total", '{finish_reason="length"}') == finished  # and not finished
 

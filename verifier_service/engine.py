@@ -868,7 +868,8 @@ class SpeculativeEngine:
                 continue
             num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
-            req.stats.record(k, num_accepted, c, via)
+            kept = min(k, req.max_new_tokens - len(req.out) - 1)  # (a seeded row's drafts past its budget: cut,
+            req.stats.record(max(kept, 0), min(num_accepted, max(kept, 0)), c, via)  # and not counted)
             self.policy.observe_acceptance(req.acceptance, k, num_accepted, via)
             req.stats.num_pipeline_hits += bool(k and draft.pipeline_hit)  # (a prepared draft may be cut to nothing)
             if k and draft.prepared:

@@ -569,7 +569,8 @@ class SpeculationPolicy:
     def choose(self, limits: list[int], acceptance: list[Acceptance], proposers: list[str | None],
                fixed: list[bool] | None = None) -> list[int]:
         """k for each sequence of a round. limits: each sequence's most (its request's k, capped
-        by the tokens it has left; 0 when it is not drafting); proposers: each one's proposer;
+        by the tokens it has left, a seeded request's by the context's: `SpeculativeEngine._draft_room`;
+        0 when it is not drafting); proposers: each one's proposer;
         fixed: sequences that always draft their limit (a seeded sampled request, whose text
         must not depend on timings)."""
         self.predicted = self.round_mode = None
