@@ -187,8 +187,8 @@ def last_line(error: Exception, default: str) -> str:
 
 
 def deploy_failure(app: str) -> str | None:
-    """Why Serve gave up on the app's deployments: each failed one's name and the last line of
-    the error its replicas died with (`serve.run` itself raises only "Failed to update the
+    """Why Serve gave up on the app's deployments: each failed one's name and the exception its
+    replicas died of (`serve.run` itself raises only "Failed to update the
     deployments [...]", the cause in the controller's log: until stop 59 that was all a user saw).
     None when Serve's status says nothing more."""
     import re
@@ -206,8 +206,12 @@ def deploy_failure(app: str) -> str | None:
             continue
         # the last exception's own line ("pkg.ModelLoadError: ..."), not what follows a message of several
         # lines (a CUDA error ends "Compile with `TORCH_USE_CUDA_DSA` ..."); else the last line
-        raised = [m for m in map(re.compile(r"^([\w.]+)(\([\w.]+\))?: (.*)").match, lines) if m]
-        cause = f"{raised[-1].group(1).rsplit('.', 1)[-1]}: {raised[-1].group(3)}" if raised else lines[-1]
+        # (Serve wraps the constructor's error in "RuntimeError: Traceback (most recent call last):": not a cause;
+        # a cause without a message is its class name alone, "AssertionError")
+        raised = [m for m in map(re.compile(r"^((?:\w+\.)*[A-Z]\w*)(\([\w.]+\))?(?:: (.*))?$").match, lines)
+                  if m and not (m.group(3) or "").startswith("Traceback (most recent call last)")]
+        cause = (raised[-1].group(1).rsplit(".", 1)[-1] + (f": {raised[-1].group(3)}" if raised[-1].group(3) else "")
+                 if raised else lines[-1])
         said.append(f"{name}: {cause}")
     return "; ".join(said) or None
 
@@ -345,7 +349,7 @@ def cmd_serve(args) -> int:
         # die loading, Serve retrying each: until stop 59 told as "Failed to update the deployments" (use_gpu: false
         # is left alone: a process may see a GPU that Ray does not count, and Ray 2.60 hides none from an actor)
         raise CLIError(f"device {cfg.device!r} runs the models on GPUs, but the Ray cluster has none "
-                       "(use_gpu: true in a config waits for GPU nodes to join)")
+                       "(joining a cluster, use_gpu: true in a config waits for GPU nodes to join it)")
     short = {name: (amount, have.get(name, 0.0)) for name, amount in cfg.resources().items()
              if have.get(name, 0.0) < amount}
     if short:  # Serve would wait for them for good, silently

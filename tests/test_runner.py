@@ -357,6 +357,13 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     (folder / "model.safetensors").write_bytes(weights[:-8])
     with pytest.raises(ModelLoadError, match="'model.safetensors' in .* do not load"):
         check_weights(str(folder))
-    (folder / "model.safetensors").rename(folder / "part-1.safetensors")
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "model.safetensors").rename(folder / "part-1.safetensors")  # sharded: the index names its shards
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "part-1.safetensors"}}))
+    check_weights(str(folder))
+    (folder / "part-1.safetensors").write_bytes(weights[:-8])
+    with pytest.raises(ModelLoadError, match="'part-1.safetensors' in .* do not load"):
+        check_weights(str(folder))
+    (folder / "part-1.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="lacks 1 of the 1 weight shards"):
         check_weights(str(folder))

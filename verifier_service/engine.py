@@ -868,15 +868,17 @@ class SpeculativeEngine:
                 continue
             num_accepted, next_token = outcome
             self.target.rollback(k - num_accepted, slot=req.slot)
-            kept = min(k, req.max_new_tokens - len(req.out) - 1)  # (a seeded row's drafts past its budget: cut,
-            req.stats.record(max(kept, 0), min(num_accepted, max(kept, 0)), c, via)  # and not counted)
+            # the stats count drafts within the budget: a seeded row drafts past it (`_draft_room`), its
+            # last round then writing as many tokens as the budget left; one with none within, none drafted
+            counted = max(min(k, req.max_new_tokens - len(req.out) - 1), 0)
+            req.stats.record(counted, min(num_accepted, counted), c, via)
             self.policy.observe_acceptance(req.acceptance, k, num_accepted, via)
-            req.stats.num_pipeline_hits += bool(k and draft.pipeline_hit)  # (a prepared draft may be cut to nothing)
-            if k and draft.prepared:
+            req.stats.num_pipeline_hits += bool(counted and draft.pipeline_hit)  # (a prepared draft may be cut to nothing)
+            if counted and draft.prepared:
                 req.stats.num_prepared_rounds += 1
                 req.stats.num_prepared_outcomes += draft.prepared
-            drafted = bool(k) and via == "draft_model"
-            if k and req.previous_accepted is not None and req.previous_prepared:
+            drafted = bool(counted) and via == "draft_model"
+            if counted and req.previous_accepted is not None and req.previous_prepared:
                 # hits by the outcome of the round before, in the stats: draft-model rounds right after a
                 # draft-model round that asked for a preparation (after a plain or an n-gram round, or
                 # one that asked for none, nothing was prepared to be ready)

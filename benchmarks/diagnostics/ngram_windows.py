@@ -4,6 +4,11 @@ process, adaptive policy, k <= 4, 96 new tokens, rows interleaved, medians of 3 
 plain decoding. Made the n-gram window figures of stop 24's closing note (2-4 best of 2-4, 3-4,
 2-6, 3-8) and stop 59's (2-4 against 1-4 and 1-3):
 
+Stop 59 (`--windows 2-4,1-4,1-3 --sets edit,complete`, the 2-core AVX2 EPYC, float32), tok/s over
+plain decoding: edit prompts 2-4 1.19x, 1-4 1.26x, 1-3 1.28x; completions 2-4 1.42x, 1-4 1.28x,
+1-3 1.22x. Matching one token drafts more often and less well (acceptance 0.31-0.36 against 0.42
+on the edit prompts): it won there and lost on completions, so 2-4 stays.
+
     .venv/bin/python benchmarks/diagnostics/ngram_windows.py [--windows 2-4,3-4,2-6,3-8] [--sets edit]
 """
 import argparse
