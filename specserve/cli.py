@@ -7,6 +7,7 @@ import errno
 import importlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -186,34 +187,37 @@ def last_line(error: Exception, default: str) -> str:
     return lines[-1] if lines else default
 
 
+# an exception's own line in a traceback: "pkg.ModelLoadError: message", or a class name alone ("AssertionError")
+_RAISED = re.compile(r"^((?:\w+\.)*[A-Z]\w*)(\([\w.]+\))?(?:: (.*))?$")
+
+
 def deploy_failure(app: str) -> str | None:
     """Why Serve gave up on the app's deployments: each failed one's name and the exception its
     replicas died of (`serve.run` itself raises only "Failed to update the
     deployments [...]", the cause in the controller's log: until stop 59 that was all a user saw).
     None when Serve's status says nothing more."""
-    import re
-
     from ray import serve
     try:
         deployments = serve.status().applications[app].deployments
     except Exception:  # (the controller gone as well: the caller says what serve.run raised)
         return None
-    said = []
-    for name, d in deployments.items():
-        lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line).strip() for line in (d.message or "").splitlines()]
-        lines = [line for line in lines if line]
-        if not (str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines):
-            continue
-        # the last exception's own line ("pkg.ModelLoadError: ..."), not what follows a message of several
-        # lines (a CUDA error ends "Compile with `TORCH_USE_CUDA_DSA` ..."); else the last line
-        # (Serve wraps the constructor's error in "RuntimeError: Traceback (most recent call last):": not a cause;
-        # a cause without a message is its class name alone, "AssertionError")
-        raised = [m for m in map(re.compile(r"^((?:\w+\.)*[A-Z]\w*)(\([\w.]+\))?(?:: (.*))?$").match, lines)
-                  if m and not (m.group(3) or "").startswith("Traceback (most recent call last)")]
-        cause = (raised[-1].group(1).rsplit(".", 1)[-1] + (f": {raised[-1].group(3)}" if raised[-1].group(3) else "")
-                 if raised else lines[-1])
-        said.append(f"{name}: {cause}")
+    said = [f"{name}: {_cause(d.message or '')}" for name, d in deployments.items()
+            if str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and (d.message or "").strip()]
     return "; ".join(said) or None
+
+
+def _cause(message: str) -> str:
+    """The last exception raised in a replica's error message, as "ModelLoadError: ...": not the
+    lines after a message of several (a CUDA error ends "Compile with `TORCH_USE_CUDA_DSA` ..."),
+    nor the "RuntimeError: Traceback (most recent call last):" Serve wraps the constructor's error
+    in; the last line where none is found."""
+    lines = [line for line in (re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", x).strip() for x in message.splitlines()) if line]
+    raised = [m for m in map(_RAISED.match, lines)
+              if m and not (m.group(3) or "").startswith("Traceback (most recent call last)")]
+    if not raised:
+        return lines[-1]
+    name, text = raised[-1].group(1).rsplit(".", 1)[-1], raised[-1].group(3)
+    return f"{name}: {text}" if text else name
 
 
 def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
