@@ -293,7 +293,14 @@ def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method)
     engine = SpeculativeEngine(runner, proposer, eos_ids=set(), ngram=True, speculation="adaptive", max_k=3)
     engine.policy.min_confidence = 0.4
     params = dict(temperature=1.2)
-    prompt = [1, 2, 3, 1, 2]  # the n-gram proposer drafts "3 1 2" here
+    # after this prompt the n-gram proposer drafts "3 0 4", which the target samples with chances 0.91, 0.50
+    # and 0.04 in turn at T = 1.2: drafting pays (stop 60, a scratch run alone: drafted in 80% of rounds,
+    # widths 1-3 in 23%, 47% and 10%; the test passed beside three busy loops). Until stop 60 the prompt
+    # was [1, 2, 3, 1, 2] for both methods: the drafts "3 1 2" were accepted 15% of the time, drafting
+    # about broke even, the guard's measures of tiny passes decided, and once in CI it drafted in 1.8%
+    # of rounds and failed the bar below (0.02 then). Either prompt fails every check below (p < 1e-19)
+    # with the verifier taking an n-gram draft's q as uniform instead of one-hot (one run each).
+    prompt = [0, 4, 3, 0, 4] if method == "ngram" else [1, 2, 3, 1, 2]
     want = sequence_probs(target, prompt, SamplingParams(**params), length)
     n = 1500
     sequences = []
@@ -305,9 +312,9 @@ def test_sampled_tokens_follow_the_target_with_k_changing_between_rounds(method)
         sequences.append(r.token_ids)
         rounds_by_k[:len(r.stats.rounds_by_k)] += r.stats.rounds_by_k
     assert (rounds_by_k > 0).sum() >= 3, rounds_by_k  # k = 0 and at least two drafting widths
-    # the policy's judgement follows the machine's timings, and prompt lookup finds "3 1 2" only while
-    # the text still follows the prompt: these bars only make sure the test reaches drafting
-    assert rounds_by_k[1:].sum() > (0.1 if method == "draft_model" else 0.02) * rounds_by_k.sum(), rounds_by_k
+    # the policy's judgement follows the machine's timings, and prompt lookup finds the prompt's cycle
+    # only while the text still follows it: these bars only make sure the test reaches drafting
+    assert rounds_by_k[1:].sum() > 0.1 * rounds_by_k.sum(), rounds_by_k
     assert_follows(sequences, want, context=rounds_by_k)
 
 
