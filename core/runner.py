@@ -176,6 +176,11 @@ def check_weights(path: str) -> None:
     files = os.listdir(path)
     if not any(f.endswith((".safetensors", ".bin")) for f in files):
         raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
+    loaded = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any(f in files for f in loaded):  # (until stop 60 any such file passed, and the actors failed loading)
+        found = sorted(f for f in files if f.endswith((".safetensors", ".bin")))
+        raise ModelLoadError(f"model path {path!r} has no weights under a name transformers loads "
+                             f"({', '.join(loaded)}); it has {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}")
     _check_safetensors(path, files)
 
 

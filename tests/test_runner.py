@@ -367,3 +367,8 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     (folder / "part-1.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="lacks 1 of the 1 weight shards"):
         check_weights(str(folder))
+    (folder / "model.safetensors.index.json").unlink()  # weights, but none under a name transformers loads
+    (folder / "weights.safetensors").write_bytes(weights)
+    with pytest.raises(ModelLoadError, match="no weights under a name transformers loads .* it has "
+                                             "adapter.safetensors, weights.safetensors$"):
+        check_weights(str(folder))
