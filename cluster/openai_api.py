@@ -299,7 +299,13 @@ class Detokenizer:
     def tokens_used(self) -> int:
         """The tokens the text needed: all of them, or once stopped, the fewest whose text holds
         the stop string (usage counts those, however the rounds split the tokens and whatever
-        they wrote after it). A binary search: once in the text, a stop string stays there."""
+        they wrote after it). A binary search: once in the text, a stop string stays there.
+
+        A prefix's text is searched without its trailing '\ufffd's, as the text is built (`_decode`
+        holds them: an incomplete UTF-8 character decodes as '\ufffd' until its next token). Until
+        stop 60 a stop string holding '\ufffd' matched that transient one: the pair cut a request
+        at the first byte of a two-byte character, so the answer lost the character its stream
+        showed, and the stream's usage left out the tokens its text needed."""
         if not self.stopped:
             return len(self.ids) - self.context + self.ended
         decode = self.tokenizer.decode
@@ -307,7 +313,7 @@ class Detokenizer:
         lo, hi = self.context, self.stopped_at  # (the text of ids[:lo] lacks it; that of ids[:hi] holds it)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            text = decode(self.ids[:mid], skip_special_tokens=True)[context:]
+            text = decode(self.ids[:mid], skip_special_tokens=True)[context:].rstrip("\ufffd")
             lo, hi = (lo, mid) if any(s in text for s in self.stop) else (mid, hi)
         return hi - self.context
 

@@ -84,6 +84,29 @@ def test_overlapping_stop_strings_cut_where_token_by_token_decoding_does(tok, st
         assert stream(detok, ids, random.Random(seed)) == want and detok.tokens_used() == one_at_a_time.tokens_used()
 
 
+def test_a_stop_string_with_a_replacement_character_matches_only_completed_text(tok):
+    """Text holds '\ufffd' where the tokens' bytes are not UTF-8 (a byte-level model can write
+    any byte), and, until its next token, where a character is incomplete. A stop string holding
+    it matches the first only: the request answered whole (the pair watching the rounds cuts its
+    tokens at tokens_used, the ingress decodes those) and streamed agree, in text and usage. Until
+    stop 60 tokens_used took a transient '\ufffd' (the first byte of "˷") for the stop string:
+    the answer was "nEv", 4 tokens, the stream "nEv˷" with usage 4 (found by a user trial)."""
+    invalid = tok.convert_tokens_to_ids("ÿ")  # the byte 0xff: never UTF-8
+    ids = tok("nEv˷")["input_ids"] + [invalid, invalid] + tok("z")["input_ids"]
+    assert tok.decode(ids) == "nEv˷\ufffd\ufffdz" and tok.decode(ids[:4]) == "nEv\ufffd"  # (the transient one)
+    for grouping in range(1, len(ids) + 1):
+        watch = Detokenizer(tok, ["\ufffd"])  # the pair's, over the rounds
+        streamed = "".join(watch.add(ids[i:i + grouping]) for i in range(0, len(ids), grouping))
+        # (usage: through the "z", after which a '\ufffd' is no longer the text's last character)
+        assert watch.stopped and (streamed, watch.tokens_used()) == ("nEv˷", len(ids)), grouping
+        whole = Detokenizer(tok, ["\ufffd"])  # the ingress's, of the tokens the pair kept
+        whole.add(ids[:watch.tokens_used()])
+        text = whole.text if whole.stopped else whole.text + whole.flush()
+        assert (text, whole.tokens_used()) == ("nEv˷", len(ids)), grouping
+    cut = Detokenizer(tok, ["\ufffd"])  # max_tokens ending inside the character: the text's last '\ufffd' is final
+    assert cut.add(ids[:4]) + cut.flush() == "nEv" and cut.stopped and cut.tokens_used() == 4
+
+
 def sentencepiece_like():
     """A tokenizer decoding as Llama 2's and Mistral's do: "▁" is a space, and a decode's first
     space is stripped. Built in place (no model hub here)."""
