@@ -90,7 +90,7 @@ class CompletionRequest:
 
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing
-UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned"),
+UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned"),  # (0: see parse_completion)
                ("top_logprobs", (None, 0), "no log probabilities are returned"),
                ("echo", (None, False), "the prompt is not echoed"),
                ("best_of", (None, 1), "only one completion is made"),
@@ -158,6 +158,11 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
         if body.get(name) not in inert:  # 400, not a 200 that ignores it
             raise _bad(f"'{name}' is not supported ({what})", name, "unsupported_value")
+    # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
+    # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
+    if not chat and _is_int(body.get("logprobs")):
+        raise _bad("'logprobs' is not supported (no log probabilities are returned: 0 asks for the chosen "
+                   "tokens')", "logprobs", "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
     default = None if chat else 16
     req.max_tokens = _get(body, "max_tokens", default, _is_int, lambda v: v >= 1, "an integer >= 1")

@@ -167,7 +167,7 @@ def test_absurd_values_are_400s(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
+@pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
                                          ("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
                                          ("frequency_penalty", -1), ("logit_bias", {"5": 10}),
                                          ("response_format", {"type": "json_object"}), ("min_tokens", 5),
@@ -188,6 +188,8 @@ def test_fields_asked_for_and_not_implemented_are_400s(field, value):
              "skip_special_tokens": True, "guided_json": None, "guided_choice": None, "structured_outputs": None,
              "bad_words": [], "truncate_prompt_tokens": None}[field]
     assert parse_completion({"model": "m", "prompt": "p", field: inert}, "m").prompt == "p"  # asks for nothing
+    if (field, value) == ("logprobs", 0):  # chat's logprobs is a flag: 0 asks for nothing there
+        assert parse_completion({"model": "m", "prompt": "p", "logprobs": 0}, "m", chat=True).prompt == "p"
 
 
 def test_max_completion_tokens_is_max_tokens_when_that_is_absent():
