@@ -102,6 +102,13 @@ def sampling_from_args(args, stop_token_ids=()):
 
 
 def cmd_generate(args) -> int:
+    try:  # (bytes the shell passed that are not UTF-8 arrive as lone surrogates: a tokenizer traceback until stop 60)
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(args.prompt[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+        raise CLIError(f"--prompt is not UTF-8 text: {what} at character {e.start} (a file in another "
+                       "encoding? convert it with iconv)") from None
     if not 0 <= args.k <= MAX_K:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
@@ -296,6 +303,8 @@ def serve_settings(args) -> tuple[dict, str, int]:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
         app_args["drafter"], app_args["k"] = None, 0
+    if args.api_key is not None and not args.api_key.strip():  # (`--api-key "$KEY"` with $KEY unset: until stop
+        raise CLIError("--api-key is empty: give the key the server should require, or leave the flag out")  # 60 open)
     api_key = args.api_key or app_args.get("api_key") or os.environ.get("SPECSERVE_API_KEY")
     if api_key:
         app_args["api_key"] = api_key

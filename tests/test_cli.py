@@ -200,7 +200,11 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--drafter", tiny_pair_dir["drafter"]], "--drafter given without --target"),
             (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]"),
             (["generate", "--distributed", "--threads", "2", "--prompt", "x"], "--threads is for in-process"),
-            (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only"))
+            (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only"),
+            # stop 60 (a user trial): a prompt of bytes that are not UTF-8 was a tokenizer traceback; an empty
+            # --api-key (`--api-key "$KEY"`, $KEY unset) served with no key, silently
+            (["generate", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text: byte 0xe9 at character 3"),
+            (["serve", "--api-key", ""], "--api-key is empty"))
     # two at a time: a few import torch (about 4 s of one core each), and none reaches Ray
     with ThreadPoolExecutor(2) as pool:
         for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):
