@@ -298,7 +298,7 @@ def serve_settings(args) -> tuple[dict, str, int]:
     if not isinstance(host, str) or not host:
         raise CLIError(f"the host must be a non-empty string, got {host!r}")
     for key in ("target", "drafter", "k", "num_pairs", "max_num_seqs", "device", "dtype", "compile", "speculation",
-                "colocate", "draft_vocab"):
+                "colocate", "draft_vocab", "model"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
@@ -493,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculation", choices=["adaptive", "fixed"], default=None,
                    help="the speculation policy (default: adaptive)")
     add_device_args(s, default=None)
+    s.add_argument("--served-model-name", dest="model", default=None,
+                   help="the model id clients ask for, as vLLM's flag (default: the config's model, else specserve-demo)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: the config's api_key, else "
                         "$SPECSERVE_API_KEY)")

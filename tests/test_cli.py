@@ -281,8 +281,8 @@ def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default
     assert serve_settings(parse(["serve", "--config", str(config)])) == ({"k": 2, "api_key": "from-file"},
                                                                           "127.0.0.1", 8123)
     app_args, host, port = serve_settings(parse(["serve", "--config", str(config), "--port", "9000", "-k", "3",
-                                                 "--api-key", "from-flag"]))
-    assert (app_args, host, port) == ({"k": 3, "api_key": "from-flag"}, "127.0.0.1", 9000)
+                                                 "--api-key", "from-flag", "--served-model-name", "mine"]))
+    assert (app_args, host, port) == ({"k": 3, "api_key": "from-flag", "model": "mine"}, "127.0.0.1", 9000)
     assert serve_settings(parse(["serve"])) == ({"api_key": "from-env"}, "0.0.0.0", 8000)
     monkeypatch.delenv("SPECSERVE_API_KEY")
     assert serve_settings(parse(["serve"])) == ({}, "0.0.0.0", 8000)
