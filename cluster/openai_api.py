@@ -28,7 +28,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              405: "invalid_request_error",
+                              405: "invalid_request_error", 413: "invalid_request_error",
                               503: "overloaded_error", 504: "timeout_error"}.get(status, "server_error")
         self.code = code
         self.headers = headers or {}

@@ -241,6 +241,7 @@ def test_models_health_and_bad_json(server):
     for content in (big, iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])):
         r = httpx.post(server + "/v1/completions", content=content, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert r.json()["error"]["type"] == "invalid_request_error"  # (the client's to mend: server_error until stop 60)
     # a long prompt (1 MB, tokenized off the loop) is the context's 400, as a short one
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "word " * 200_000, "max_tokens": 2},
                    timeout=60)
