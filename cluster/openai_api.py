@@ -27,9 +27,9 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              405: "invalid_request_error", 413: "invalid_request_error",
-                              503: "overloaded_error", 504: "timeout_error"}.get(status, "server_error")
+        self.type = type_ or {401: "authentication_error", 404: "not_found_error", 503: "overloaded_error",
+                              504: "timeout_error"}.get(status, "server_error" if status >= 500 else
+                                                        "invalid_request_error")
         self.code = code
         self.headers = headers or {}
 
@@ -160,7 +160,7 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
             raise _bad(f"'{name}' is not supported ({what})", name, "unsupported_value")
     # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
     # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
-    if not chat and _is_int(body.get("logprobs")):
+    if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
         raise _bad("'logprobs' is not supported (no log probabilities are returned: 0 asks for the chosen "
                    "tokens')", "logprobs", "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
@@ -259,10 +259,12 @@ class Detokenizer:
 
     Each call decodes only a window: the tokens added since the previous call plus the ones
     added in the call before, as context (so BPE merges and multi-byte characters come out as a
-    one-shot decode gives them). Text that ends in an incomplete UTF-8 character ('\ufffd') is
-    held until the character completes. A tail that could still become a stop string is held
-    back too, and searching for stop strings looks only at unsent text. The concatenated deltas
-    (plus `flush()`) equal the final text, and a stop string is never emitted.
+    one-shot decode gives them). Text that ends in '\ufffd' is held until a later token's text
+    follows it (an incomplete UTF-8 character decodes as '\ufffd' until the token that completes
+    it; bytes that are not UTF-8 are '\ufffd' for good, held all the same, as nothing tells them
+    apart). A tail that could still become a stop string is held back too, and searching for
+    stop strings looks only at unsent text. The concatenated deltas (plus `flush()`) equal the
+    final text, and a stop string is never emitted.
 
     `prompt_ids`: the first window's context is the prompt's last CONTEXT tokens, as vLLM's is. A
     SentencePiece tokenizer (Llama 2, Mistral) strips the leading space of a decode's first
@@ -307,8 +309,8 @@ class Detokenizer:
         they wrote after it). A binary search: once in the text, a stop string stays there.
 
         A prefix's text is searched without its trailing '\ufffd's, as the text is built (`_decode`
-        holds them: an incomplete UTF-8 character decodes as '\ufffd' until its next token). Until
-        stop 60 a stop string holding '\ufffd' matched that transient one: the pair cut a request
+        holds them: see the class). Until stop 60 a stop string holding '\ufffd' matched the
+        transient '\ufffd' of an incomplete character: the pair cut a request
         at the first byte of a two-byte character, so the answer lost the character its stream
         showed, and the stream's usage left out the tokens its text needed."""
         if not self.stopped:

@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 
@@ -357,6 +358,8 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(self.cfg.target)
         self.metrics = Metrics()
         self.api_key = self.cfg.resolved_api_key()
+        if self.api_key is None and os.environ.get("SPECSERVE_API_KEY") is not None:  # (under `serve run`, KubeRay)
+            log.warning("SPECSERVE_API_KEY is set but blank: /v1/* requires no key")
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")

@@ -170,34 +170,60 @@ def use_compile_cache() -> None:
 
 
 def check_weights(path: str) -> None:
-    """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded): checked
-    before a server starts actors that would fail to load it."""
+    """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded) under a name
+    transformers loads: checked before a server starts actors that would fail to load it."""
     _check_dir(path)
     files = os.listdir(path)
     if not any(f.endswith((".safetensors", ".bin")) for f in files):
         raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
+    explicit = _named_weights(path)
+    if explicit is not None:  # transformers loads the file config.json names, whatever it is called
+        if not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            return  # (transformers refuses it, or takes it: its own message at load)
+        if not os.path.isfile(os.path.join(path, explicit)):
+            raise ModelLoadError(f"model path {path!r} lacks {explicit!r}, the weights its config.json names "
+                                 "(transformers_weights)")
+        index = explicit.endswith(".index.json")
+        _check_safetensors(path, None if index else explicit, explicit if index else None)
+        return
     loaded = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     if not any(f in files for f in loaded):  # (until stop 60 any such file passed, and the actors failed loading)
         found = sorted(f for f in files if f.endswith((".safetensors", ".bin")))
         raise ModelLoadError(f"model path {path!r} has no weights under a name transformers loads "
-                             f"({', '.join(loaded)}); it has {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}")
-    _check_safetensors(path, files)
+                             f"({', '.join(loaded)}, or the file config.json's transformers_weights names); it has "
+                             f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}")
+    if "model.safetensors" in files:
+        _check_safetensors(path, "model.safetensors", None)
+    elif "model.safetensors.index.json" in files:
+        _check_safetensors(path, None, "model.safetensors.index.json")
+    # (else PyTorch .bin weights: loading them is the check)
 
 
-def _check_safetensors(path: str, files: list[str]) -> None:
-    """The safetensors weights transformers would load (as it picks them: `model.safetensors`,
-    else the shards its index names) have headers that read and tensors within the file (a
-    download cut short, a file that is not safetensors), and the index names no missing shard:
-    until stop 59 these failed only in the actors, after the target had loaded, and a Serve replica
-    retried the load three times before `specserve serve` said 'Failed to update the deployments'.
-    Reads the headers only (milliseconds, whatever the model's size)."""
+def _named_weights(path: str) -> str | None:
+    """config.json's `transformers_weights`: the weights file transformers 5 loads instead of its
+    standard names (None: not set, or a config that does not read, which loading reports)."""
+    import json
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _check_safetensors(path: str, single: str | None, index: str | None) -> None:
+    """The safetensors weights transformers would load (`single`, else the shards that `index`
+    names) have headers that read and tensors within the file (a download cut short, a file that
+    is not safetensors), and the index names no missing shard: until stop 59 these failed only in
+    the actors, after the target had loaded, and a Serve replica retried the load three times
+    before `specserve serve` said 'Failed to update the deployments'. Reads the headers only
+    (milliseconds, whatever the model's size)."""
     import json
 
     from safetensors import safe_open
-    index = "model.safetensors.index.json"
-    if "model.safetensors" in files:
-        names = ["model.safetensors"]
-    elif index in files:
+    if single is not None:
+        names = [single]
+    else:
         try:
             with open(os.path.join(path, index), encoding="utf-8") as f:
                 names = sorted({str(s) for s in json.load(f)["weight_map"].values()})
@@ -207,8 +233,6 @@ def _check_safetensors(path: str, files: list[str]) -> None:
         if missing:
             raise ModelLoadError(f"model path {path!r} lacks {len(missing)} of the {len(names)} weight shards "
                                  f"its {index} names, {missing[0]!r} first")
-    else:
-        return  # (PyTorch .bin weights: loading them is the check)
     for name in names:
         try:
             with safe_open(os.path.join(path, name), framework="np"):

@@ -8,10 +8,11 @@ import importlib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 
-from specserve.config import APP_IMPORT_PATH, DEFAULT_MODEL_DIR, SpecServeConfig, valid_device
+from specserve.config import APP_IMPORT_PATH, DEFAULT_MODEL_DIR, SpecServeConfig, env_api_key, valid_device
 from specserve.core.proposer import MAX_K
 
 
@@ -107,7 +108,7 @@ def cmd_generate(args) -> int:
     except UnicodeEncodeError as e:
         c = ord(args.prompt[e.start])
         what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
-        raise CLIError(f"--prompt is not UTF-8 text: {what} at character {e.start} (a file in another "
+        raise CLIError(f"--prompt is not UTF-8 text: {what}, character {e.start + 1} (a file in another "
                        "encoding? convert it with iconv)") from None
     if not 0 <= args.k <= MAX_K:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
@@ -303,11 +304,14 @@ def serve_settings(args) -> tuple[dict, str, int]:
             app_args[key] = getattr(args, key)
     if args.no_speculation:
         app_args["drafter"], app_args["k"] = None, 0
-    if args.api_key is not None and not args.api_key.strip():  # (`--api-key "$KEY"` with $KEY unset: until stop
-        raise CLIError("--api-key is empty: give the key the server should require, or leave the flag out")  # 60 open)
-    api_key = args.api_key or app_args.get("api_key") or os.environ.get("SPECSERVE_API_KEY")
+    # (`--api-key "$KEY"` with $KEY unset served with no key, silently, until stop 60)
+    if args.api_key is not None and not args.api_key.strip():
+        raise CLIError("--api-key is empty: give the key the server should require, or leave the flag out")
+    api_key = args.api_key or app_args.get("api_key") or env_api_key()
     if api_key:
         app_args["api_key"] = api_key
+    elif os.environ.get("SPECSERVE_API_KEY") is not None:
+        print("warning: SPECSERVE_API_KEY is set but blank: /v1/* will require no key", file=sys.stderr)
     return app_args, host, port
 
 
@@ -382,12 +386,12 @@ def cmd_serve(args) -> int:
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "" if not cfg.api_key else ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' \
-        if os.environ.get("SPECSERVE_API_KEY") == cfg.api_key else " -H 'Authorization: Bearer <your API key>'"
-    # (the key itself is kept out of the banner, and so out of logs)
+        if env_api_key() == cfg.api_key else " -H 'Authorization: Bearer <your API key>'"
+    # (the key itself is kept out of the banner, and so out of logs; the body quoted for the shell, whatever the name)
+    body = json.dumps({"model": cfg.model, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0})
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-          f"    -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, "
-          f"\"temperature\": 0}}'\n", flush=True)
+          f"    -d {shlex.quote(body)}\n", flush=True)
     stop: list[int] = []  # a plain flag: a handler that set a threading.Event could run while the main
     # thread held that Event's lock (inside its wait) and deadlock on it, as a Ctrl-C once did here
     for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored

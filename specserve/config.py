@@ -113,8 +113,10 @@ class SpecServeConfig:
             check_setting(self.draft_vocab)
         except DraftVocabError as e:
             need(False, str(e))
-        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
-             "api_key must be null or a non-empty string")
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)
+                                      and self.api_key.strip() == self.api_key),
+             "api_key must be null or a non-empty string without surrounding whitespace (the server strips the "
+             "client's Bearer token, which then never matched a key with spaces or a newline at its ends)")
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "SpecServeConfig":
@@ -194,7 +196,13 @@ class SpecServeConfig:
         return self.pair_max_queued_requests() + self.HEADROOM + self.BURST
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+        return self.api_key or env_api_key()
+
+
+def env_api_key() -> str | None:
+    """$SPECSERVE_API_KEY, stripped (a key mounted from a file or Secret often ends in a newline,
+    and the server strips the client's token); None where it is unset or blank."""
+    return os.environ.get("SPECSERVE_API_KEY", "").strip() or None
 
 
 TARGET_BUNDLE, DRAFTER_BUNDLE = 0, 1

@@ -167,8 +167,8 @@ def test_absurd_values_are_400s(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("echo", True),
-                                         ("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
+@pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", 0), ("logprobs", 0.0), ("logprobs", True),
+                                         ("top_logprobs", 2), ("echo", True), ("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
                                          ("frequency_penalty", -1), ("logit_bias", {"5": 10}),
                                          ("response_format", {"type": "json_object"}), ("min_tokens", 5),
                                          ("repetition_penalty", 1.2), ("min_p", 0.1), ("use_beam_search", True),

@@ -342,9 +342,10 @@ def test_every_gemm_layout_scores_what_hugging_face_scores():
 
 
 def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path):
-    """check_weights reads the headers of the safetensors files transformers would load:
-    model.safetensors where there is one (a stale shard index beside it, left by a re-save, and
-    other safetensors files are not its), else the shards its index names."""
+    """check_weights reads the headers of the safetensors files transformers would load: the file
+    config.json's transformers_weights names, where it names one; else model.safetensors where
+    there is one (a stale shard index beside it, left by a re-save, and other safetensors files
+    are not its), else the shards its index names."""
     import shutil
 
     from specserve.core.runner import ModelLoadError, check_weights
@@ -371,4 +372,13 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     (folder / "weights.safetensors").write_bytes(weights)
     with pytest.raises(ModelLoadError, match="no weights under a name transformers loads .* it has "
                                              "adapter.safetensors, weights.safetensors$"):
+        check_weights(str(folder))
+    config = json.loads((folder / "config.json").read_text())  # unless config.json names them (transformers 5)
+    (folder / "config.json").write_text(json.dumps({**config, "transformers_weights": "weights.safetensors"}))
+    check_weights(str(folder))
+    (folder / "weights.safetensors").write_bytes(weights[:-8])
+    with pytest.raises(ModelLoadError, match="'weights.safetensors' in .* do not load"):
+        check_weights(str(folder))
+    (folder / "weights.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="lacks 'weights.safetensors', the weights its config.json names"):
         check_weights(str(folder))
