@@ -173,19 +173,19 @@ def check_weights(path: str) -> None:
     """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded) under a name
     transformers loads: checked before a server starts actors that would fail to load it."""
     _check_dir(path)
-    files = os.listdir(path)
-    if not any(f.endswith((".safetensors", ".bin")) for f in files):
-        raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
     explicit = _named_weights(path)
-    if explicit is not None:  # transformers loads the file config.json names, whatever it is called
-        if not explicit.endswith((".safetensors", ".safetensors.index.json")):
-            return  # (transformers refuses it, or takes it: its own message at load)
+    if explicit is not None:  # transformers 5 loads the file config.json names, whatever it is called
+        if explicit == "adapter_model.bin":
+            return  # (the one other name it takes: loading it is the check)
         if not os.path.isfile(os.path.join(path, explicit)):
             raise ModelLoadError(f"model path {path!r} lacks {explicit!r}, the weights its config.json names "
                                  "(transformers_weights)")
         index = explicit.endswith(".index.json")
         _check_safetensors(path, None if index else explicit, explicit if index else None)
         return
+    files = os.listdir(path)
+    if not any(f.endswith((".safetensors", ".bin")) for f in files):
+        raise ModelLoadError(f"model path {path!r} has no weights (model.safetensors)")
     loaded = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     if not any(f in files for f in loaded):  # (until stop 60 any such file passed, and the actors failed loading)
         found = sorted(f for f in files if f.endswith((".safetensors", ".bin")))
@@ -201,14 +201,28 @@ def check_weights(path: str) -> None:
 
 def _named_weights(path: str) -> str | None:
     """config.json's `transformers_weights`: the weights file transformers 5 loads instead of its
-    standard names (None: not set, or a config that does not read, which loading reports)."""
+    standard names (None: not there, or a config that does not read, which loading reports).
+    Refused as transformers refuses it: a name neither safetensors nor adapter_model.bin, or one
+    outside the folder."""
     import json
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            name = json.load(f).get("transformers_weights")
-    except (OSError, ValueError, AttributeError):
+            config = json.load(f)
+    except (OSError, ValueError):
         return None
-    return name if isinstance(name, str) and name else None
+    if not isinstance(config, dict) or "transformers_weights" not in config or config["transformers_weights"] is None:
+        return None
+    name, fault = config["transformers_weights"], None
+    if not isinstance(name, str) or not name:
+        fault = "is not a file name"
+    elif not name.endswith((".safetensors", ".safetensors.index.json")) and name != "adapter_model.bin":
+        fault = "is neither safetensors (*.safetensors, *.safetensors.index.json) nor adapter_model.bin"
+    elif os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        fault = "is outside the model folder"
+    if fault:
+        raise ModelLoadError(f"config.json in {path!r} names weights that transformers does not load: "
+                             f"transformers_weights {name!r} {fault}")
+    return name
 
 
 def _check_safetensors(path: str, single: str | None, index: str | None) -> None:
@@ -226,9 +240,13 @@ def _check_safetensors(path: str, single: str | None, index: str | None) -> None
     else:
         try:
             with open(os.path.join(path, index), encoding="utf-8") as f:
-                names = sorted({str(s) for s in json.load(f)["weight_map"].values()})
+                content = json.load(f)
+            names = sorted({str(s) for s in content["weight_map"].values()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"cannot read the shard index {index!r} in {path!r}: {e}") from None
+        if not isinstance(content.get("metadata"), dict):  # (transformers reads it: a KeyError at load without it)
+            raise ModelLoadError(f"the shard index {index!r} in {path!r} has no 'metadata' object, which "
+                                 "transformers reads (it may be empty: {})")
         missing = [s for s in names if not os.path.isfile(os.path.join(path, s))]
         if missing:
             raise ModelLoadError(f"model path {path!r} lacks {len(missing)} of the {len(names)} weight shards "

@@ -307,7 +307,8 @@ def serve_settings(args) -> tuple[dict, str, int]:
     # (`--api-key "$KEY"` with $KEY unset served with no key, silently, until stop 60)
     if args.api_key is not None and not args.api_key.strip():
         raise CLIError("--api-key is empty: give the key the server should require, or leave the flag out")
-    api_key = args.api_key or app_args.get("api_key") or env_api_key()
+    api_key = args.api_key if args.api_key is not None else app_args["api_key"] if app_args.get("api_key") is not None \
+        else env_api_key()  # (a config's empty api_key is refused with the config, not replaced by the variable)
     if api_key:
         app_args["api_key"] = api_key
     elif os.environ.get("SPECSERVE_API_KEY") is not None:
@@ -386,7 +387,8 @@ def cmd_serve(args) -> int:
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "" if not cfg.api_key else ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' \
-        if env_api_key() == cfg.api_key else " -H 'Authorization: Bearer <your API key>'"
+        if os.environ.get("SPECSERVE_API_KEY") == cfg.api_key else " -H 'Authorization: Bearer <your API key>'"
+    # (the variable as the shell has it: one with a newline at its end would break the header)
     # (the key itself is kept out of the banner, and so out of logs; the body quoted for the shell, whatever the name)
     body = json.dumps({"model": cfg.model, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0})
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"

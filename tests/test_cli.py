@@ -291,6 +291,8 @@ def test_serve_takes_each_setting_from_its_flag_then_the_config_then_the_default
     from specserve.config import SpecServeConfig
     with pytest.raises(ValueError, match="without surrounding whitespace"):  # (as `serve` checks its settings)
         SpecServeConfig.from_dict(serve_settings(parse(["serve", "--api-key", " k"]))[0])
+    config.write_text("applications:\n  - name: specserve\n    args: {api_key: ''}\n")  # refused with the config
+    assert serve_settings(parse(["serve", "--config", str(config)]))[0] == {"api_key": ""}  # (not the variable's)
     capsys.readouterr()
     monkeypatch.setenv("SPECSERVE_API_KEY", " ")
     assert serve_settings(parse(["serve"])) == ({}, "0.0.0.0", 8000)

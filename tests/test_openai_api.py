@@ -192,6 +192,13 @@ def test_fields_asked_for_and_not_implemented_are_400s(field, value):
         assert parse_completion({"model": "m", "prompt": "p", "logprobs": 0}, "m", chat=True).prompt == "p"
 
 
+def test_an_error_s_type_follows_its_status():
+    """Any 4xx is the client's to mend (a 413 was a server_error until stop 60), unless typed apart."""
+    assert [APIError(s, "m").type for s in (400, 401, 404, 413, 415, 422, 500, 503, 504)] == \
+        ["invalid_request_error", "authentication_error", "not_found_error", "invalid_request_error",
+         "invalid_request_error", "invalid_request_error", "server_error", "overloaded_error", "timeout_error"]
+
+
 def test_max_completion_tokens_is_max_tokens_when_that_is_absent():
     assert parse_completion({"model": "m", "prompt": "p", "max_completion_tokens": 40}, "m").max_tokens == 40
     assert parse_completion({"model": "m", "prompt": "p", "max_tokens": 7, "max_completion_tokens": 40},

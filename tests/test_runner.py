@@ -1,6 +1,7 @@
 """KV rollback: lengths, O(1) cost, and logits equal to a fresh forward after a rollback."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -360,7 +361,11 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
         check_weights(str(folder))
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "model.safetensors").rename(folder / "part-1.safetensors")  # sharded: the index names its shards
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "part-1.safetensors"}}))
+    index = {"metadata": {}, "weight_map": {"x": "part-1.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index["weight_map"]}))
+    with pytest.raises(ModelLoadError, match="has no 'metadata' object"):  # (a KeyError in transformers)
+        check_weights(str(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     check_weights(str(folder))
     (folder / "part-1.safetensors").write_bytes(weights[:-8])
     with pytest.raises(ModelLoadError, match="'part-1.safetensors' in .* do not load"):
@@ -382,3 +387,16 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     (folder / "weights.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="lacks 'weights.safetensors', the weights its config.json names"):
         check_weights(str(folder))
+    (folder / "adapter.safetensors").unlink()
+    (folder / "sub").mkdir()  # (a file under a subfolder, or an index there naming shards from the folder's root)
+    (folder / "sub" / "w.safetensors").write_bytes(weights)
+    (folder / "sub" / "index.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                             "weight_map": {"x": "sub/w.safetensors"}}))
+    for named in ("sub/w.safetensors", "sub/index.safetensors.index.json"):
+        (folder / "config.json").write_text(json.dumps({**config, "transformers_weights": named}))
+        check_weights(str(folder))
+    for named, fault in (("weights.bin", "is neither safetensors"), ("", "is not a file name"),
+                         ("../w.safetensors", "is outside the model folder")):
+        (folder / "config.json").write_text(json.dumps({**config, "transformers_weights": named}))
+        with pytest.raises(ModelLoadError, match=f"transformers_weights '{re.escape(named)}' {fault}"):
+            check_weights(str(folder))
