@@ -180,8 +180,7 @@ def check_weights(path: str) -> None:
         if not os.path.isfile(os.path.join(path, explicit)):
             raise ModelLoadError(f"model path {path!r} lacks {explicit!r}, the weights its config.json names "
                                  "(transformers_weights)")
-        index = explicit.endswith(".index.json")
-        _check_safetensors(path, None if index else explicit, explicit if index else None)
+        _check_safetensors(path, explicit)
         return
     files = os.listdir(path)
     if not any(f.endswith((".safetensors", ".bin")) for f in files):
@@ -192,11 +191,10 @@ def check_weights(path: str) -> None:
         raise ModelLoadError(f"model path {path!r} has no weights under a name transformers loads "
                              f"({', '.join(loaded)}, or the file config.json's transformers_weights names); it has "
                              f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}")
-    if "model.safetensors" in files:
-        _check_safetensors(path, "model.safetensors", None)
-    elif "model.safetensors.index.json" in files:
-        _check_safetensors(path, None, "model.safetensors.index.json")
-    # (else PyTorch .bin weights: loading them is the check)
+    for name in ("model.safetensors", "model.safetensors.index.json"):  # (as transformers picks: the first there)
+        if name in files:
+            _check_safetensors(path, name)
+            break  # (neither: PyTorch .bin weights, and loading them is the check)
 
 
 def _named_weights(path: str) -> str | None:
@@ -225,9 +223,9 @@ def _named_weights(path: str) -> str | None:
     return name
 
 
-def _check_safetensors(path: str, single: str | None, index: str | None) -> None:
-    """The safetensors weights transformers would load (`single`, else the shards that `index`
-    names) have headers that read and tensors within the file (a download cut short, a file that
+def _check_safetensors(path: str, name: str) -> None:
+    """The safetensors weights transformers would load (the file `name`, or the shards that the
+    index `name`, *.index.json, names) have headers that read and tensors within the file (a download cut short, a file that
     is not safetensors), and the index names no missing shard: until stop 59 these failed only in
     the actors, after the target had loaded, and a Serve replica retried the load three times
     before `specserve serve` said 'Failed to update the deployments'. Reads the headers only
@@ -235,9 +233,10 @@ def _check_safetensors(path: str, single: str | None, index: str | None) -> None
     import json
 
     from safetensors import safe_open
-    if single is not None:
-        names = [single]
+    if not name.endswith(".index.json"):
+        names = [name]
     else:
+        index = name
         try:
             with open(os.path.join(path, index), encoding="utf-8") as f:
                 content = json.load(f)
@@ -251,12 +250,12 @@ def _check_safetensors(path: str, single: str | None, index: str | None) -> None
         if missing:
             raise ModelLoadError(f"model path {path!r} lacks {len(missing)} of the {len(names)} weight shards "
                                  f"its {index} names, {missing[0]!r} first")
-    for name in names:
+    for weights in names:
         try:
-            with safe_open(os.path.join(path, name), framework="np"):
+            with safe_open(os.path.join(path, weights), framework="np"):
                 pass
         except Exception as e:  # (safetensors' own error type, or an OSError)
-            raise ModelLoadError(f"the weights {name!r} in {path!r} do not load: {e}") from None
+            raise ModelLoadError(f"the weights {weights!r} in {path!r} do not load: {e}") from None
 
 
 def same_tokenizer(a, b) -> bool:

@@ -352,41 +352,38 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     from specserve.core.runner import ModelLoadError, check_weights
     folder = tmp_path / "drafter"
     shutil.copytree(tiny_pair_dir["drafter"], folder)
+
+    def refused(match: str) -> None:
+        with pytest.raises(ModelLoadError, match=match):
+            check_weights(str(folder))
+
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     (folder / "adapter.safetensors").write_bytes(b"not safetensors")
     check_weights(str(folder))  # loads: transformers takes model.safetensors
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(weights[:-8])
-    with pytest.raises(ModelLoadError, match="'model.safetensors' in .* do not load"):
-        check_weights(str(folder))
+    refused("'model.safetensors' in .* do not load")
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "model.safetensors").rename(folder / "part-1.safetensors")  # sharded: the index names its shards
     index = {"metadata": {}, "weight_map": {"x": "part-1.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index["weight_map"]}))
-    with pytest.raises(ModelLoadError, match="has no 'metadata' object"):  # (a KeyError in transformers)
-        check_weights(str(folder))
+    refused("has no 'metadata' object")  # (a KeyError in transformers)
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     check_weights(str(folder))
     (folder / "part-1.safetensors").write_bytes(weights[:-8])
-    with pytest.raises(ModelLoadError, match="'part-1.safetensors' in .* do not load"):
-        check_weights(str(folder))
+    refused("'part-1.safetensors' in .* do not load")
     (folder / "part-1.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="lacks 1 of the 1 weight shards"):
-        check_weights(str(folder))
+    refused("lacks 1 of the 1 weight shards")
     (folder / "model.safetensors.index.json").unlink()  # weights, but none under a name transformers loads
     (folder / "weights.safetensors").write_bytes(weights)
-    with pytest.raises(ModelLoadError, match="no weights under a name transformers loads .* it has "
-                                             "adapter.safetensors, weights.safetensors$"):
-        check_weights(str(folder))
+    refused("no weights under a name transformers loads .* it has adapter.safetensors, weights.safetensors$")
     config = json.loads((folder / "config.json").read_text())  # unless config.json names them (transformers 5)
     (folder / "config.json").write_text(json.dumps({**config, "transformers_weights": "weights.safetensors"}))
     check_weights(str(folder))
     (folder / "weights.safetensors").write_bytes(weights[:-8])
-    with pytest.raises(ModelLoadError, match="'weights.safetensors' in .* do not load"):
-        check_weights(str(folder))
+    refused("'weights.safetensors' in .* do not load")
     (folder / "weights.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="lacks 'weights.safetensors', the weights its config.json names"):
-        check_weights(str(folder))
+    refused("lacks 'weights.safetensors', the weights its config.json names")
     (folder / "adapter.safetensors").unlink()
     (folder / "sub").mkdir()  # (a file under a subfolder, or an index there naming shards from the folder's root)
     (folder / "sub" / "w.safetensors").write_bytes(weights)
@@ -398,5 +395,4 @@ def test_weights_are_checked_as_transformers_picks_them(tiny_pair_dir, tmp_path)
     for named, fault in (("weights.bin", "is neither safetensors"), ("", "is not a file name"),
                          ("../w.safetensors", "is outside the model folder")):
         (folder / "config.json").write_text(json.dumps({**config, "transformers_weights": named}))
-        with pytest.raises(ModelLoadError, match=f"transformers_weights '{re.escape(named)}' {fault}"):
-            check_weights(str(folder))
+        refused(f"transformers_weights '{re.escape(named)}' {fault}")
