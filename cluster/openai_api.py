@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from specserve.core.proposer import MAX_K
-from specserve.core.sampling import MIN_TEMPERATURE
+from specserve.core.sampling import MIN_TEMPERATURE, SEED_HIGH, SEED_LOW, user_seed
 
 MAX_STOP_STRINGS = 16
 SPECULATIVE_METHODS = ("draft_model", "ngram", "none")  # as specserve.verifier.engine.METHODS
@@ -127,7 +127,6 @@ CHAT_UNSUPPORTED = (("tools", (None, []), "no tool calls"),
                     ("continue_final_message", (None, False), "no continuation of the final message"),
                     ("add_special_tokens", (None, False), "the template's text gets no special tokens added"),
                     ("chat_template", (None,), "the model's own chat template only"))
-SEED_RANGE = 2 ** 63  # seeds are taken modulo this (OpenAI's are any int64: -1 included)
 
 
 def parse_completion(body, default_model: str, chat: bool = False) -> CompletionRequest:
@@ -173,8 +172,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
     top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)")
     req.top_k = max(top_k, 0)
-    seed = _get(body, "seed", None, _is_int, lambda v: -2 ** 63 <= v < 2 ** 64, "a 64-bit integer")
-    req.seed = None if seed is None else seed % SEED_RANGE
+    seed = _get(body, "seed", None, _is_int, lambda v: SEED_LOW <= v < SEED_HIGH, "a 64-bit integer")
+    req.seed = None if seed is None else user_seed(seed)
     req.stream = _get(body, "stream", False, lambda v: isinstance(v, bool), lambda v: True, "a boolean")
     options = body.get("stream_options")
     if options is not None:

@@ -19,6 +19,15 @@ import torch
 # distribution to one token: such requests are refused with a clear error, not turned into NaN.
 MIN_TEMPERATURE = 1e-3
 
+# A user's seed, through the HTTP API or the CLI: any 64-bit integer, signed or not (OpenAI's are
+# int64, -1 included), taken modulo 2**63, so the same seed gives the same text both ways.
+SEED_LOW, SEED_HIGH, SEED_RANGE = -2 ** 63, 2 ** 64, 2 ** 63
+
+
+def user_seed(seed: int) -> int:
+    """The engine's seed for a user's (in [SEED_LOW, SEED_HIGH), checked by the caller)."""
+    return seed % SEED_RANGE
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -90,13 +90,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="any 64-bit integer, taken modulo 2**63 as the HTTP API's seed (the same seed, the same text)")
 
 
 def sampling_from_args(args, stop_token_ids=()):
-    from specserve.core.sampling import SamplingParams
+    from specserve.core.sampling import SEED_HIGH, SEED_LOW, SamplingParams, user_seed
+    seed = args.seed
+    if seed is not None:  # (until stop 61 taken as given, in [0, 2**64): a seed of 2**63 + 1 or -1 gave other
+        # text than the HTTP API's, which takes it modulo 2**63)
+        if not SEED_LOW <= seed < SEED_HIGH:
+            raise CLIError(f"--seed must be a 64-bit integer, in [-2**63, 2**64), got {seed}")
+        seed = user_seed(seed)
     try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
                               stop_token_ids=tuple(stop_token_ids))
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -112,6 +119,9 @@ def cmd_generate(args) -> int:
                        "encoding? convert it with iconv)") from None
     if not 0 <= args.k <= MAX_K:
         raise CLIError(f"-k must be in [0, {MAX_K}], got {args.k}")
+    if args.method in ("draft_model", "ngram") and (args.no_speculation or args.k == 0):
+        plain = "--no-speculation" if args.no_speculation else "-k 0"  # (both accepted silently until stop 61)
+        raise CLIError(f"--method {args.method} drafts tokens, and {plain} decodes without drafts: drop one")
     no_drafter = args.no_speculation or args.k == 0 or args.method in ("ngram", "none")
     target, drafter = resolve_pair(args.target, args.drafter, no_drafter)
     method = "none" if args.no_speculation or args.k == 0 else args.method

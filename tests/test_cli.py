@@ -196,17 +196,40 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["serve", "--config", str(bad_config)], "applications must be a list of mappings"),
             # stop 51: a seed past the wire's uint64 ran a distributed request without speculation, silently;
             # a drafter alone was paired with the demo target; a port out of range reached Serve
-            (["generate", "--seed", "-1", "--prompt", "x"], "seed must be an integer in [0, 2**64)"),
+            (["generate", "--seed", str(2 ** 64), "--prompt", "x"], "--seed must be a 64-bit integer"),
             (["serve", "--drafter", tiny_pair_dir["drafter"]], "--drafter given without --target"),
             (["serve", "--port", "70000"], "the port must be an integer in [1, 65535]"),
             (["generate", "--distributed", "--threads", "2", "--prompt", "x"], "--threads is for in-process"),
             (["generate", "--no-pipeline", "--prompt", "x"], "--no-pipeline applies to --distributed only"),
             # stop 60 (a user trial): a prompt of bytes that are not UTF-8 was a tokenizer traceback
-            (["generate", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text: byte 0xe9, character 4"))
+            (["generate", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text: byte 0xe9, character 4"),
+            # stop 61: a proposer asked for beside plain decoding was dropped silently
+            (["generate", "--method", "ngram", "--no-speculation", "--prompt", "x"],
+             "--method ngram drafts tokens, and --no-speculation decodes without drafts"),
+            (["generate", "--method", "draft_model", "-k", "0", "--prompt", "x"],
+             "--method draft_model drafts tokens, and -k 0 decodes without drafts"))
     # two at a time: a few import torch (about 4 s of one core each), and none reaches Ray
     with ThreadPoolExecutor(2) as pool:
         for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):
             assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_a_seed_is_taken_as_the_http_api_takes_it():
+    """`generate --seed S` and a request's `seed: S` seed the same streams, for any 64-bit S: until
+    stop 61 the CLI took S as given, in [0, 2**64), and the API modulo 2**63 (-1 was refused by one
+    and taken by the other; 2**63 + 7 gave other text than 7 through the CLI only)."""
+    from argparse import Namespace
+
+    from specserve.cli import CLIError, sampling_from_args
+    from specserve.cluster.openai_api import APIError, parse_completion
+    for seed in (-2 ** 63, -1, 0, 7, 2 ** 63 - 1, 2 ** 63 + 7, 2 ** 64 - 1):
+        cli = sampling_from_args(Namespace(temperature=0.8, top_k=0, top_p=1.0, seed=seed)).seed
+        assert cli == parse_completion({"model": "m", "prompt": "x", "seed": seed}, "m").seed == seed % 2 ** 63
+    for seed in (-2 ** 63 - 1, 2 ** 64):
+        with pytest.raises(CLIError, match="--seed must be a 64-bit integer"):
+            sampling_from_args(Namespace(temperature=0.8, top_k=0, top_p=1.0, seed=seed))
+        with pytest.raises(APIError, match="a 64-bit integer"):
+            parse_completion({"model": "m", "prompt": "x", "seed": seed}, "m")
 
 
 def test_a_mistyped_flag_is_told_before_torch_is_imported():
