@@ -479,13 +479,14 @@ class OpenAIIngress:
             prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat) if len(prompt) < 1 << 14 else \
                 await asyncio.to_thread(prompt_token_ids, self.tokenizer, prompt, chat)
         except Exception as e:  # whatever the tokenizer refuses is the request's fault, not the server's
-            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+            # (these four 400s had no code until stop 61: the others from the ingress have one)
+            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt", code="invalid_value") from None
         if not prompt_ids:
-            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt", code="invalid_value")
         if max(prompt_ids) >= len(self.tokenizer):
-            raise APIError(400, f"prompt token ids must be below {len(self.tokenizer)}", param="prompt")
+            raise APIError(400, f"prompt token ids must be below {len(self.tokenizer)}", param="prompt", code="invalid_value")
         if req.stop_token_ids and max(req.stop_token_ids) >= len(self.tokenizer):
-            raise APIError(400, f"stop token ids must be below {len(self.tokenizer)}", param="stop_token_ids")
+            raise APIError(400, f"stop token ids must be below {len(self.tokenizer)}", param="stop_token_ids", code="invalid_value")
         from specserve.core.sampling import SamplingParams
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                                   stop_token_ids=tuple(req.stop_token_ids)).to_dict()

@@ -253,6 +253,11 @@ def test_models_health_and_bad_json(server):
                                                           "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == \
         ("messages", "context_length_exceeded")
+    # token ids past the vocabulary: the field and a code (no code until stop 61)
+    for body, param in (({"prompt": [1, 10 ** 6]}, "prompt"), ({"prompt": "x", "stop_token_ids": [10 ** 6]}, "stop_token_ids")):
+        r = httpx.post(server + "/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 400 and "must be below" in r.json()["error"]["message"]
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "invalid_value")
 
 
 def test_16_concurrent_streams_equal_solo(server, client):
