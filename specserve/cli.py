@@ -323,6 +323,9 @@ def serve_settings(args) -> tuple[dict, str, int]:
         app_args["api_key"] = api_key
     elif os.environ.get("SPECSERVE_API_KEY") is not None:
         print("warning: SPECSERVE_API_KEY is set but blank: /v1/* will require no key", file=sys.stderr)
+        # said once: the Ray workers this process starts inherit its environment, and the ingress
+        # (which says it under `serve run` and KubeRay) said it again until stop 61
+        del os.environ["SPECSERVE_API_KEY"]
     return app_args, host, port
 
 
