@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.benchmarks.endpoint import out_prefix
 from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from specserve.training.demo_pair import heldout_prompts
@@ -593,7 +594,7 @@ def main(argv=None) -> int:
         add_dtype_arg(q)
     d.add_argument("--prompts", type=int, default=10)
     d.add_argument("--fanout", type=int_list, default=[2, 3], help="fan-outs of the speculation cache to run (rows 5; row 6: the last)")
-    d.add_argument("--out", default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
+    d.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "distributed"), help="writes OUT.json and OUT.md")
     b.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32])
     b.add_argument("--waves", type=int, default=4,
                    help="requests per level and run: this many times the concurrency (one wave ends in a drain "
@@ -602,7 +603,7 @@ def main(argv=None) -> int:
                    help="requests per level and run at least (closed loop: a finished one is replaced at once)")
     b.add_argument("--colocated", action="store_true",
                    help="also a row of the adaptive policy with the drafter colocated (colocate: true)")
-    b.add_argument("--out", default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
+    b.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "batching"), help="writes OUT.json and OUT.md")
     for name, help_ in OWN_PARSER_BENCHES.items():  # listed here, parsed by their own modules
         sub.add_parser(name, help=help_, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -622,7 +623,6 @@ def main(argv=None) -> int:
     report["command"] = command
     md = render(report, command)
     print(md)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n")
     Path(args.out + ".md").write_text(md)
     return 0

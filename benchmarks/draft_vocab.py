@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from specserve.benchmarks.bench import RESULTS_DIR, add_dtype_arg, dtypes_line, init_ray, resolved_dtypes, round_probe, run_rows
+from specserve.benchmarks.endpoint import out_prefix
 from specserve.config import DEFAULT_MODEL_DIR
 
 
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=0, help="the draft vocabulary's size (0: its file's default)")
     p.add_argument("--sizes", default="4096,2048,1024,512", help="sizes whose head and pass are timed")
     add_dtype_arg(p)
-    p.add_argument("--out", default=str(RESULTS_DIR / "draft_vocab"), help="writes OUT.json, OUT.md and OUT.png")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "draft_vocab"), help="writes OUT.json, OUT.md and OUT.png")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specserve bench dtype")
     p.add_argument("--models", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--passes", type=int, default=3000, help="timed passes per model, over all cases")
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "dtype"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "dtype"))
     args = p.parse_args(argv)
     report = bench(args)
     command = "specserve bench dtype " + " ".join(argv if argv is not None else sys.argv[1:])

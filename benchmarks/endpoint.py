@@ -78,9 +78,37 @@ def ray_reachable() -> bool:
         return False
 
 
+def check_url(p: argparse.ArgumentParser, url: str | None) -> None:
+    """--url: a server answers there (any status: one starting says 503), told before the run.
+    Until stop 61 `bench fuzz` fired its requests into refused connections and then raised at its
+    closing /health, and `bench serve` counted them all failed."""
+    if not url:
+        return
+    import httpx
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=10)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        p.error(f"--url {url}: no server answers there ({type(e).__name__}: {e})")
+
+
+def out_prefix(out: str) -> str:
+    """argparse type of every bench's --out (a path prefix: OUT.json, OUT.md, OUT.png): makes its
+    folder and checks that it takes files, when the flags are parsed. Until stop 61 a bench found out
+    only when it wrote, after a run of minutes, whose results were then lost: `bench soak` with a
+    new folder (its plot came before the folder), `bench batching` with a bare name."""
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {folder!r}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in the folder {folder!r}")
+    return out
+
+
 def write_results(out: str, report: dict, md: str) -> None:
     """OUT.json and OUT.md (a PNG, if any, is written by the bench itself), and the Markdown on stdout."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # (checked by out_prefix: still there?)
     with open(out + ".json", "w") as f:
         f.write(json.dumps(report, indent=1) + "\n")
     with open(out + ".md", "w") as f:

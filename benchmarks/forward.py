@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 SHAPES = ((1, 1), (1, 5), (10, 1), (10, 5))
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "forward"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "forward"))
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 
-from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, write_results
+from specserve.benchmarks.endpoint import add_endpoint_args, check_url, open_endpoint, out_prefix, write_results
 from specserve.config import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -142,7 +142,10 @@ def run(args) -> dict:
                 async with httpx.AsyncClient(timeout=120) as ac:
                     await asyncio.gather(*(fire(ac, ep, random.Random(args.seed * 1000 + i), n, results, bar)
                                            for i, n in enumerate(per)))
-                    health = (await ac.get(ep.url + "/health")).status_code
+                    try:
+                        health = (await ac.get(ep.url + "/health")).status_code
+                    except httpx.HTTPError as e:  # (gone during the run: the report says so)
+                        health = f"exception:{type(e).__name__}"
             return health
 
         t0 = time.monotonic()
@@ -186,13 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=10000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS_DIR / "fuzz"), help="writes OUT.json and OUT.md")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "fuzz"), help="writes OUT.json and OUT.md")
     return p
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1:  # (until stop 61 --concurrency 0 sent nothing and passed)
+        p.error("--requests and --concurrency must be >= 1")
+    check_url(p, args.url)
     report = run(args)
     write_results(args.out, report, markdown(report, "specserve bench fuzz " + " ".join(argv)))
     return 0 if report["server_errors"] == 0 and report["health_after"] == 200 else 1

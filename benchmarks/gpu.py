@@ -40,7 +40,7 @@ import time
 import torch
 
 from specserve.benchmarks.bench import round_split_table
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
                    help=f"which parts to run, comma-separated, of {','.join(STAGES)} (default: all; one GPU "
                         "lent for minutes may not run them all)")
     # on the lent GPU machine only $OUT comes back: the results go there when it is set
-    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu") if os.environ.get("OUT") else str(RESULTS_DIR / "gpu"),
+    p.add_argument("--out", type=out_prefix, default=os.path.join(os.environ["OUT"], "gpu") if os.environ.get("OUT") else str(RESULTS_DIR / "gpu"),
                    help="writes OUT.md and OUT.json (default $OUT/gpu when $OUT is set, else docs/benchmarks/gpu)")
     args = p.parse_args(argv)
     stages = [st for st in args.stages.split(",") if st]

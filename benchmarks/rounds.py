@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtypes
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 SERVER = r"""
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--round-trips", type=int, default=500)
     add_dtype_arg(p)
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "rounds"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "rounds"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     report = bench(args)

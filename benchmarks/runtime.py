@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(RESULTS_DIR / "runtime"), help="writes OUT.md, OUT.json, OUT.png")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "runtime"), help="writes OUT.md, OUT.json, OUT.png")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, write_results
+from specserve.benchmarks.endpoint import add_endpoint_args, check_url, open_endpoint, out_prefix, write_results
 from specserve.config import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logical CPUs of the local Ray started here (default: enough for the pairs)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS_DIR / "serve"), help="writes OUT.md, OUT.json and OUT.png")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "serve"), help="writes OUT.md, OUT.json and OUT.png")
     return p
 
 
@@ -118,6 +118,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    check_url(p, args.url)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -460,7 +461,10 @@ def server_config(args, levels: list[dict]) -> dict:
     seen = [lv["k"] for lv in levels if lv["k"] is not None]
     return {"k": max(seen) if seen else cfg.k, "max_num_seqs": cfg.max_num_seqs,
             "max_waiting": cfg.max_waiting, "pipeline": cfg.pipeline,
-            "threads_per_actor": max(1, int(cfg.cpus_per_actor))}
+            "threads_per_actor": max(1, int(cfg.cpus_per_actor)),
+            # (a live server's own settings are not read from it: until stop 61 the report stated the defaults
+            # as its settings, "max_num_seqs 8" for a server of 2)
+            "assumed": bool(args.url) and args.config is None and args.max_num_seqs is None, "k_reported": bool(seen)}
 
 
 def add_model(report: dict, args, items: list[dict]) -> None:
@@ -524,9 +528,14 @@ def markdown(report: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
              f"Started {report['started_utc']} on {report['cpu_cores']} CPU core(s). Dataset `{report['dataset']}` "
              f"({report['dataset_note']}), prompts as {report['prompt_format']}, temperature {report['temperature']}, "
-             f"ignore_eos, streamed. Server: k = {srv['k']}, max_num_seqs {srv['max_num_seqs']}, max_waiting "
-             f"{srv['max_waiting']}, pipeline {srv['pipeline']}, {srv['threads_per_actor']} torch thread per actor. "
-             f"Load levels: closed loop (C clients back to back) and Poisson arrivals (rate in requests/s)"
+             f"ignore_eos, streamed. Server: "
+             + ((f"k = {srv['k']}, as its responses report it" if srv.get("k_reported") else
+                 "k not reported (no request was answered)")
+                + "; its other settings were not given (--config) and are not stated. "
+                if srv.get("assumed") else
+                f"k = {srv['k']}, max_num_seqs {srv['max_num_seqs']}, max_waiting {srv['max_waiting']}, pipeline {srv['pipeline']}, "
+                f"{srv['threads_per_actor']} torch thread per actor. ")
+             + f"Load levels: closed loop (C clients back to back) and Poisson arrivals (rate in requests/s)"
              + (", scaled by the number of pairs" if report["load_per_pair"] else "") + ".",
              "", "SLOs for goodput: " + (", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items() if v is not None)
                                          or "none given (goodput = all completed requests)")
@@ -613,7 +622,9 @@ def plot(report: dict, path: str) -> None:
         top.set_title(f"output tokens/s vs {'concurrency' if kind == 'concurrency' else 'request rate'}")
         top.set_ylabel("output tokens/s")
         bottom.set_ylabel("latency (ms)")
-        bottom.set_yscale("log")
+        if any(line.get_ydata().size and (line.get_ydata().astype(float) > 0).any() for line in bottom.get_lines()):
+            bottom.set_yscale("log")  # (no request answered, e.g. a wrong --api-key: every latency NaN, and the
+            # log scale raised after the run, its results and errors unwritten, until stop 61)
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)
@@ -650,7 +661,6 @@ def main(argv=None) -> int:
     if not args.no_cost_model and args.concurrency:
         add_model(report, args, items)
     report["scaling"] = scaling(levels)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     plot(report, args.out + ".png")
     write_results(args.out, report, markdown(report, report["command"]))
     return 0 if all(lv["failed"] == 0 for lv in levels) else 1

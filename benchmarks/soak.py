@@ -25,7 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from specserve.benchmarks.endpoint import add_endpoint_args, open_endpoint, write_results, ray_reachable
+from specserve.benchmarks.endpoint import (add_endpoint_args, check_url, open_endpoint, out_prefix, ray_reachable,
+                                           write_results)
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -308,13 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-chars", type=int, default=1500, help="keep prompts within a small model's context")
-    p.add_argument("--out", default=str(RESULTS_DIR / "soak"), help="writes OUT.json, OUT.md and OUT.png")
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "soak"), help="writes OUT.json, OUT.md and OUT.png")
     return p
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    # (until stop 61 --minutes 0 divided by zero after the run; < 0 or --concurrency 0 passed with no request)
+    if not args.minutes > 0 or args.concurrency < 1:
+        p.error("--minutes must be > 0 and --concurrency >= 1")
+    if args.kill_drafter_every < 0 or not args.sample_every > 0 or not args.request_timeout > 0:
+        p.error("--kill-drafter-every must be >= 0, --sample-every and --request-timeout > 0")
+    check_url(p, args.url)
     report = run(args)
     write_results(args.out, report, markdown(report, "specserve bench soak " + " ".join(argv)))
     return 0 if report["failed"] == 0 else 1

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import REPO_ROOT
 from specserve.proto.transport import MAX_MESSAGE_BYTES
 from specserve.proto import speculative_pb2 as pb
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="specserve bench wire", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=str(RESULTS_DIR / "wire"))
+    p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "wire"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = []

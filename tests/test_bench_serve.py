@@ -79,6 +79,43 @@ def test_mixed_text_prompts_meet_a_loose_slo(url, tiny_pair_dir, tmp_path):
     assert "stdlib source prompts" in md
 
 
+def test_a_run_no_request_of_which_is_answered_writes_its_errors(url, tiny_pair_dir, tmp_path):
+    """A wrong --model (or --api-key): every request a 4xx. Until stop 61 the plot's log scale raised
+    after the run, and neither the results nor the server's error were written."""
+    out = str(tmp_path / "new" / "wrong")  # (a folder that does not exist yet: made when the flags are read)
+    rc, report, md = run_serve(url, tiny_pair_dir, out, "--request-rates", "inf", "--model", "no-such-model")
+    (lv,) = report["levels"]
+    assert rc == 1 and lv["completed"] == 0 and lv["failed"] == 6 and lv["codes"] == {"404": 6}
+    assert "does not exist" in md and "k not reported" in md and "max_num_seqs" not in md.split("\n")[2]
+    assert os.path.getsize(out + ".png") > 1000
+
+
+def test_bench_flags_that_cannot_work_are_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """Each ran (some for minutes) and then failed, or reported nothing, until stop 61 (a user trial)."""
+    from specserve.benchmarks import bench, fuzz, serve, soak
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    cases = [(soak.main, ["--url", dead, "--minutes", "0.1"], "no server answers there"),
+             (fuzz.main, ["--url", dead, "--requests", "3"], "no server answers there"),
+             (serve.main, ["--url", dead, "--concurrency", "1"], "no server answers there"),
+             (serve.main, ["--url", "localhost:8000", "--concurrency", "1"], "no server answers there"),
+             (soak.main, ["--url", dead, "--minutes", "0"], "--minutes must be > 0"),
+             (soak.main, ["--url", dead, "--minutes", "1", "--concurrency", "0"], "--minutes must be > 0"),
+             (fuzz.main, ["--url", dead, "--concurrency", "0"], "--requests and --concurrency must be >= 1"),
+             (bench.main, ["batching", "--out", str(blocked / "x")], "cannot make the folder"),
+             (soak.main, ["--minutes", "1", "--out", str(blocked / "x")], "cannot make the folder")]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, (argv, err)
+    from specserve.benchmarks.endpoint import out_prefix
+    monkeypatch.chdir(tmp_path)
+    assert out_prefix("bare") == "bare"  # (`bench batching --out bare` raised at its end until stop 61)
+    assert out_prefix(str(tmp_path / "new" / "deeper" / "x")) and (tmp_path / "new" / "deeper").is_dir()
+
+
 @pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--request-rates", "fast"], [],
                                   ["--url", "http://x", "--num-pairs", "1,2", "--concurrency", "1"]])
 def test_bad_arguments_are_usage_errors(argv, capsys):
