@@ -207,7 +207,13 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["generate", "--method", "ngram", "--no-speculation", "--prompt", "x"],
              "--method ngram drafts tokens, and --no-speculation decodes without drafts"),
             (["generate", "--method", "draft_model", "-k", "0", "--prompt", "x"],
-             "--method draft_model drafts tokens, and -k 0 decodes without drafts"))
+             "--method draft_model drafts tokens, and -k 0 decodes without drafts"),
+            # stop 61 (a user trial): --out naming the target saved the drafter over it; data not found, tracebacks
+            (["distill", "--target", str(no_weights), "--out", str(no_weights) + "/", "--data", str(tmp_path)],
+             "is the --target folder: the drafter would be saved over the target"),
+            (["distill", "--target", str(no_weights), "--out", str(tmp_path / "d")], "no --data given and no split.json"),
+            (["distill", "--target", str(no_weights), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "none.txt")],
+             "none.txt': no such file or folder"))
     # two at a time: a few import torch (about 4 s of one core each), and none reaches Ray
     with ThreadPoolExecutor(2) as pool:
         for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):

@@ -110,6 +110,23 @@ def files_from_split(split_json: str | os.PathLike, which: str = "train") -> lis
     return out
 
 
+class DataError(ValueError):
+    """Data or an output folder that cannot work, found before a model loads: `distill`'s usage
+    error (until stop 61 a traceback, or, for --out naming the target, the target overwritten)."""
+
+
+def check_model_folder(path: str, flag: str) -> None:
+    if not (Path(path) / "config.json").is_file():
+        from specserve.core.runner import ModelLoadError
+        raise ModelLoadError(f"{flag} {path!r} is not a model folder (no config.json)")
+
+
+def check_paths(paths: Sequence[str], flag: str) -> None:
+    for p in paths:
+        if not os.path.exists(p[1:] if p.startswith("@") else p):
+            raise DataError(f"{flag} {p!r}: no such file or folder")
+
+
 def collect_files(paths: Sequence[str], pattern: str = "*.py", which: str = "train") -> list[str]:
     """Expand data arguments: a ``split.json`` (its ``which`` files), a directory (files matching
     ``pattern``, recursively, sorted), ``@LIST`` (a file listing paths, one per line) or a
@@ -653,14 +670,16 @@ def distill(target: str, out: str, *, data: Sequence[str] | None = None, eval_da
         raise ValueError("loss must be 'kl' or 'ce'")
     if loss == "ce":
         gen_frac = 0.0
-    if not (Path(target) / "config.json").is_file():  # (before the split's check, which blamed that instead)
-        from specserve.core.runner import ModelLoadError
-        raise ModelLoadError(f"--target {target!r} is not a model folder (no config.json)")
+    check_model_folder(target, "--target")  # (before the split's check, which blamed that instead)
+    if Path(out).resolve() == Path(target).resolve():
+        raise DataError(f"--out {out!r} is the --target folder: the drafter would be saved over the target")
     if data is None:
         guess = Path(target).resolve().parent / "split.json"
         if not guess.exists():
-            raise ValueError("no --data given and no split.json next to the target folder")
+            raise DataError(f"no --data given and no split.json next to the target folder ({guess})")
         data = [str(guess)]
+    check_paths(data, "--data")
+    check_paths(eval_data or [], "--eval-data")
     if eval_data is None:
         splits = [d for d in data if d.endswith(".json")]
         eval_data = splits or None
@@ -775,13 +794,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except DataError as e:
+        p.error(str(e))
+
+
+def run(args) -> int:
     tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.eval_only:
         from transformers import AutoTokenizer
+        check_model_folder(args.target, "--target")
+        check_model_folder(args.out, "--out")
         data = args.eval_data or args.data or [str(Path(args.target).resolve().parent / "split.json")]
+        check_paths(data, "--eval-data" if args.eval_data else "--data")
         tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
         files = collect_files(data, args.pattern, "heldout")
         stream = tokenize_files(tok, files, tok.eos_token_id)
@@ -791,6 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     steps, minutes = args.steps, (args.minutes or None)
     if args.steps_from:
+        check_paths([os.path.join(args.steps_from, "training_info.json")], "--steps-from: its")
         with open(os.path.join(args.steps_from, "training_info.json")) as f:
             steps, minutes = int(json.load(f)["steps"]), None
         log(f"[distill] --steps-from {args.steps_from}: {steps} steps, no time budget")
