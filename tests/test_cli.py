@@ -213,7 +213,9 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
              "is the --target folder: the drafter would be saved over the target"),
             (["distill", "--target", str(no_weights), "--out", str(tmp_path / "d")], "no --data given and no split.json"),
             (["distill", "--target", str(no_weights), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "none.txt")],
-             "none.txt': no such file or folder"))
+             "none.txt': no such file or folder"),
+            (["eval-demo", "--ks", "20"], "integers in [1, 16]"), (["eval-demo", "--max-tokens", "0"], "must be >= 1"),
+            (["train-demo", "--heldout-loss", str(tmp_path / "none")], "is not a model folder"))
     # two at a time: a few import torch (about 4 s of one core each), and none reaches Ray
     with ThreadPoolExecutor(2) as pool:
         for (argv, message), r in zip(cases, pool.map(run_cli, [argv for argv, _ in cases])):

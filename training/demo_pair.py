@@ -267,7 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.heldout_loss:  # (until stop 61 a folder that is not a model was a transformers traceback)
+        for m in args.heldout_loss:
+            if not (Path(m) / "config.json").is_file():
+                p.error(f"--heldout-loss {m!r} is not a model folder (no config.json)")
+        split = args.split or str(Path(args.out) / "split.json")
+        if not os.path.isfile(split):
+            p.error(f"--heldout-loss needs the split: {split!r} is not a file (give --split or --out)")
     tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,6 +35,7 @@ import torch
 
 from specserve.benchmarks.bench import ideal_speedup, measure, time_target_pass
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
+from specserve.core.proposer import MAX_K
 from specserve.training.demo_pair import heldout_prompts
 
 SECTIONS = ("loss", "greedy", "sampled", "speed", "compare", "samples")
@@ -309,8 +310,8 @@ def _ks(s: str) -> list[int]:
         ks = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         ks = []
-    if not ks or any(k < 1 for k in ks):
-        raise argparse.ArgumentTypeError(f"--ks must be a comma-separated list of integers >= 1, got {s!r}")
+    if not ks or any(not 1 <= k <= MAX_K for k in ks):  # (past MAX_K: the engine's traceback until stop 61)
+        raise argparse.ArgumentTypeError(f"--ks must be a comma-separated list of integers in [1, {MAX_K}], got {s!r}")
     return ks
 
 
@@ -352,6 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.temperature > 0 or not 0 < args.top_p <= 1:  # (until stop 53 a traceback from the sampler)
         parser.error(f"--temperature must be > 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    small = [f"--{n.replace('_', '-')}" for n in ("prompts", "prompt_tokens", "max_tokens", "speed_prompts", "repeats",
+                                                  "loss_tokens") if getattr(args, n) < 1]
+    if small:  # (these three: tracebacks after loading the models until stop 61)
+        parser.error(f"{', '.join(small)} must be >= 1")
+    if not 1 <= args.compare_k <= MAX_K:
+        parser.error(f"--compare-k must be in [1, {MAX_K}], got {args.compare_k}")
+    if args.samples < 0:
+        parser.error(f"--samples must be >= 0, got {args.samples}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
