@@ -251,7 +251,7 @@ def test_a_mistyped_flag_is_told_before_torch_is_imported():
         assert r.stdout.split() == ["2", "[]"] and "specserve: error:" in r.stderr, (argv, r.stdout, r.stderr)
 
 
-def test_bad_invocations_found_in_stop_49_are_messages():
+def test_bad_invocations_found_in_stop_49_are_messages(tmp_path):
     """`generate --distributed` with plain decoding named a --method the user never passed; an
     actor that died loading was a Ray traceback, exit 1; `serve` with more pairs than Ray can place
     waited for good, silently (Serve waits for the replicas' resources)."""
@@ -270,6 +270,11 @@ def test_bad_invocations_found_in_stop_49_are_messages():
         from conftest import free_port
         cases.append((["serve", "--device", "cuda", "--port", str(free_port())],
                       "device 'cuda' runs the models on GPUs, but the Ray cluster has none"))
+        # stop 61 (a user trial): the hint for GPUs Ray lacks named a smaller cpus_per_actor
+        gpu_config = tmp_path / "gpu.yaml"
+        gpu_config.write_text("applications:\n  - name: specserve\n    args: {use_gpu: true}\n")
+        cases.append((["serve", "--config", str(gpu_config), "--port", str(free_port())],
+                      "cannot place it (use_gpu: false (the models on the CPU) would fit)"))
     for argv, message in cases:
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
