@@ -253,7 +253,10 @@ def load_serve_config(path: str | None) -> tuple[dict, dict, list[str]]:
     http: dict = {}
     unused: list[str] = []
     if isinstance(doc, dict) and "applications" in doc:
-        apps = doc["applications"] or [{}]
+        apps = doc["applications"]
+        if not apps:  # (until stop 61 served the demo pair, silently: a config that names no app is a mistake)
+            raise CLIError(f"config {path!r}: applications is empty; give the one application specserve serves "
+                           "(with its args), or leave --config out for the demo pair")
         if not isinstance(apps, list) or not all(isinstance(app, dict) for app in apps):
             raise CLIError(f"config {path!r}: applications must be a list of mappings (Serve's config format)")
         if len(apps) > 1:

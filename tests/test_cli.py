@@ -152,6 +152,8 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
     tokenizer) until stop 47."""
     bad_config = tmp_path / "serve.yaml"
     bad_config.write_text("applications: [foo]\n")
+    no_apps = tmp_path / "no_apps.yaml"
+    no_apps.write_text("applications: []\n")
     # stop 53: a config not in UTF-8, a host that is no string, a model folder without weights or
     # tokenizer (serve reached Ray with them), an unwritable tiny pair, --threads 99999 (a segfault)
     not_utf8, int_host = tmp_path / "latin1.yaml", tmp_path / "host.yaml"
@@ -194,6 +196,7 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["generate", "--device", "cuda:x", "--prompt", "x"], "must be auto, cpu, cuda or cuda:N"),
             (["serve", "--target", tiny_pair_dir["target"]], "--drafter is required with --target"),
             (["serve", "--config", str(bad_config)], "applications must be a list of mappings"),
+            (["serve", "--config", str(no_apps)], "applications is empty"),  # (the demo pair, silently, until stop 61)
             # stop 51: a seed past the wire's uint64 ran a distributed request without speculation, silently;
             # a drafter alone was paired with the demo target; a port out of range reached Serve
             (["generate", "--seed", str(2 ** 64), "--prompt", "x"], "--seed must be a 64-bit integer"),
