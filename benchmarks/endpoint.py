@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,7 +88,11 @@ def check_url(p: argparse.ArgumentParser, url: str | None) -> None:
     import httpx
     try:
         httpx.get(url.rstrip("/") + "/health", timeout=10)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+        p.error(f"--url {url}: not an http(s) URL ({e})")
+    except httpx.TimeoutException:  # (a server too busy to answer in time is still there)
+        print(f"warning: --url {url}: /health did not answer within 10 s", file=sys.stderr)
+    except httpx.HTTPError as e:
         p.error(f"--url {url}: no server answers there ({type(e).__name__}: {e})")
 
 

@@ -464,7 +464,8 @@ def server_config(args, levels: list[dict]) -> dict:
             "threads_per_actor": max(1, int(cfg.cpus_per_actor)),
             # (a live server's own settings are not read from it: until stop 61 the report stated the defaults
             # as its settings, "max_num_seqs 8" for a server of 2)
-            "assumed": bool(args.url) and args.config is None and args.max_num_seqs is None, "k_reported": bool(seen)}
+            "assumed": bool(args.url) and args.config is None, "k_reported": bool(seen),
+            "max_num_seqs_given": args.max_num_seqs is not None or args.config is not None}
 
 
 def add_model(report: dict, args, items: list[dict]) -> None:
@@ -531,7 +532,9 @@ def markdown(report: dict, command: str) -> str:
              f"ignore_eos, streamed. Server: "
              + ((f"k = {srv['k']}, as its responses report it" if srv.get("k_reported") else
                  "k not reported (no request was answered)")
-                + "; its other settings were not given (--config) and are not stated. "
+                + (f", max_num_seqs {srv['max_num_seqs']} as given" if srv.get("max_num_seqs_given") else "")
+                + "; its other settings were not given (--config) and are not stated"
+                + ("; the cost model takes this command's defaults for them. " if "cost_model" in report else ". ")
                 if srv.get("assumed") else
                 f"k = {srv['k']}, max_num_seqs {srv['max_num_seqs']}, max_waiting {srv['max_waiting']}, pipeline {srv['pipeline']}, "
                 f"{srv['threads_per_actor']} torch thread per actor. ")

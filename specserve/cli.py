@@ -392,10 +392,12 @@ def cmd_serve(args) -> int:
                f"cpus_per_actor {cfg.cpus_per_actor:g}" + (f", gpus_per_actor {cfg.gpus_per_actor:g}" if cfg.gpu() else ""))
         if fresh:  # the local Ray this command started: nothing will join it
             # (the hint named cpus_per_actor for a GPU shortfall too until stop 61)
-            fixes = ["use_gpu: false (the models on the CPU)"] if "GPU" in short and not have.get("GPU") else \
-                ["fewer pairs"] + (["a smaller cpus_per_actor"] if "CPU" in short else []) + \
-                (["a smaller gpus_per_actor"] if "GPU" in short else [])
-            raise CLIError(f"{msg}; this machine's Ray cannot place it ({' or '.join(fixes)} would fit)")
+            no_gpu = "GPU" in short and not have.get("GPU")
+            fixes = " or ".join(["fewer pairs"] + (["a smaller cpus_per_actor"] if "CPU" in short else [])
+                                + (["a smaller gpus_per_actor"] if "GPU" in short and not no_gpu else []))
+            if no_gpu:  # (nothing GPU-sized fits a cluster without GPUs)
+                fixes = "use_gpu: false with device cpu, the models on the CPU" + (f"; then {fixes}" if "CPU" in short else "")
+            raise CLIError(f"{msg}; this machine's Ray cannot place it ({fixes} would fit)")
         print(f"warning: {msg}; the Ray cluster joined has less now, so the app starts once it grows",
               file=sys.stderr, flush=True)
     serve.start(http_options={"host": host, "port": port})

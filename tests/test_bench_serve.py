@@ -99,7 +99,7 @@ def test_bench_flags_that_cannot_work_are_refused_before_the_run(tmp_path, capsy
     cases = [(soak.main, ["--url", dead, "--minutes", "0.1"], "no server answers there"),
              (fuzz.main, ["--url", dead, "--requests", "3"], "no server answers there"),
              (serve.main, ["--url", dead, "--concurrency", "1"], "no server answers there"),
-             (serve.main, ["--url", "localhost:8000", "--concurrency", "1"], "no server answers there"),
+             (serve.main, ["--url", "localhost:8000", "--concurrency", "1"], "not an http(s) URL"),
              (soak.main, ["--url", dead, "--minutes", "0"], "--minutes must be > 0"),
              (soak.main, ["--url", dead, "--minutes", "1", "--concurrency", "0"], "--minutes must be > 0"),
              (fuzz.main, ["--url", dead, "--concurrency", "0"], "--requests and --concurrency must be >= 1"),

@@ -277,7 +277,7 @@ def test_bad_invocations_found_in_stop_49_are_messages(tmp_path):
         gpu_config = tmp_path / "gpu.yaml"
         gpu_config.write_text("applications:\n  - name: specserve\n    args: {use_gpu: true}\n")
         cases.append((["serve", "--config", str(gpu_config), "--port", str(free_port())],
-                      "cannot place it (use_gpu: false (the models on the CPU) would fit)"))
+                      "cannot place it (use_gpu: false with device cpu, the models on the CPU would fit)"))
     for argv, message in cases:
         r = run_cli(argv)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specserve.training.distill import (count_params, files_from_split, load_causal_lm, load_token_stream,
-                                     log, make_llama, read_text, save_hf, tokenize_files, train_loop,
+from specserve.training.distill import (check_model_folder, count_params, files_from_split, load_causal_lm,
+                                     load_token_stream, log, make_llama, read_text, save_hf, tokenize_files, train_loop,
                                      ce_loss_fn, tune_malloc)
 
 EOS = "<|endoftext|>"
@@ -271,8 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.heldout_loss:  # (until stop 61 a folder that is not a model was a transformers traceback)
         for m in args.heldout_loss:
-            if not (Path(m) / "config.json").is_file():
-                p.error(f"--heldout-loss {m!r} is not a model folder (no config.json)")
+            check_model_folder(m, "--heldout-loss")
         split = args.split or str(Path(args.out) / "split.json")
         if not os.path.isfile(split):
             p.error(f"--heldout-loss needs the split: {split!r} is not a file (give --split or --out)")

@@ -123,7 +123,14 @@ def check_model_folder(path: str, flag: str) -> None:
 
 def check_paths(paths: Sequence[str], flag: str) -> None:
     for p in paths:
-        if not os.path.exists(p[1:] if p.startswith("@") else p):
+        if p.startswith("@"):  # a list of files: the list and each file it names
+            if not os.path.isfile(p[1:]):
+                raise DataError(f"{flag} {p!r}: {p[1:]!r} is not a file (a list of files, one per line)")
+            with open(p[1:]) as f:
+                missing = [ln.strip() for ln in f if ln.strip() and not os.path.isfile(ln.strip())]
+            if missing:
+                raise DataError(f"{flag} {p!r}: {len(missing)} of its files do not exist, e.g. {missing[0]!r}")
+        elif not os.path.exists(p):
             raise DataError(f"{flag} {p!r}: no such file or folder")
 
 
@@ -811,7 +818,7 @@ def run(args) -> int:
         check_model_folder(args.target, "--target")
         check_model_folder(args.out, "--out")
         data = args.eval_data or args.data or [str(Path(args.target).resolve().parent / "split.json")]
-        check_paths(data, "--eval-data" if args.eval_data else "--data")
+        check_paths(data, "--eval-data" if args.eval_data else "--data" if args.data else "the split.json guessed")
         tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
         files = collect_files(data, args.pattern, "heldout")
         stream = tokenize_files(tok, files, tok.eos_token_id)

@@ -355,12 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--temperature must be > 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
     small = [f"--{n.replace('_', '-')}" for n in ("prompts", "prompt_tokens", "max_tokens", "speed_prompts", "repeats",
                                                   "loss_tokens") if getattr(args, n) < 1]
-    if small:  # (these three: tracebacks after loading the models until stop 61)
+    if small:  # (tracebacks after loading the models until stop 61)
         parser.error(f"{', '.join(small)} must be >= 1")
     if not 1 <= args.compare_k <= MAX_K:
         parser.error(f"--compare-k must be in [1, {MAX_K}], got {args.compare_k}")
     if args.samples < 0:
         parser.error(f"--samples must be >= 0, got {args.samples}")
+    if not 0 <= args.seed < 2 ** 63 - 10 ** 6:  # (seed + prompt index seeds each sampled prompt)
+        parser.error(f"--seed must be in [0, 2**63 - 10**6), got {args.seed}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
