@@ -226,7 +226,7 @@ def bench_distributed(args) -> dict:
     def distributed(pipeline, fanout=1):
         def factory():
             pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
-                                   fanout=fanout, dtype=args.dtype)
+                                   fanout=fanout, dtype=args.dtype, k=args.k)
             return pair.generate, pair.shutdown, round_probe(lambda: ray.get(pair.verifier.times.remote()),
                                                              lambda: ray.get(pair.drafter.actor.times.remote()))
         return factory
@@ -325,7 +325,7 @@ def bench_batching(args) -> dict:
         for mode, (pipeline, k, policy) in modes.items():
             pairs[mode] = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1,
                                           max_num_seqs=max(levels), max_waiting=max(levels), speculation=policy,
-                                          dtype=args.dtype, colocate=mode == COLOCATED)
+                                          dtype=args.dtype, colocate=mode == COLOCATED, k=args.k)
             # warm-up: one full-length request (compiles, and gives the adaptive policy some rounds)
             ray.get(pairs[mode].submit(prompts[0], args.max_tokens, SamplingParams(), k, ignore_eos=True))
         for c in levels:

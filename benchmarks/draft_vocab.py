@@ -112,7 +112,7 @@ def bench(args) -> dict:
     def distributed(pipeline, vocab):
         def factory():
             pair = SpeculativePair(target_path, drafter_path, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
-                                   dtype=args.dtype, draft_vocab=size if vocab == "vocab" else "off")
+                                   dtype=args.dtype, draft_vocab=size if vocab == "vocab" else "off", k=args.k)
             return pair.generate, pair.shutdown, round_probe(lambda: ray.get(pair.verifier.times.remote()),
                                                              lambda: ray.get(pair.drafter.actor.times.remote()))
         return factory

@@ -72,7 +72,7 @@ def in_process(device: str, dtype: str, prompts, max_tokens: int, k: int, compil
     # k fixed: every round drafts k, so the row measures speculation at k (the adaptive policy may
     # draft little where a drafter pass costs about what a target pass does, as on a GPU at batch 1)
     spec = build_engine(SpecServeConfig(device=device, dtype=dtype, max_num_seqs=2, compile=compile,
-                                        draft_vocab=draft_vocab, speculation="fixed"))
+                                        draft_vocab=draft_vocab, speculation="fixed", k=k))
     if device == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -144,7 +144,7 @@ def fanout_sweep(device: str, dtype: str, prompts, max_tokens: int, k: int, fano
     rows = []
     for f in fanouts:
         pair = SpeculativePair(target, drafter, pipeline=True, fanout=f, speculation="fixed", device=device,
-                               dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1)
+                               dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1, k=k)
         try:
             _hit_rate_run(pair.generate, prompts[:1], 8, k)  # warm-up
             tok_s, hit = _hit_rate_run(pair.generate, prompts, max_tokens, k)
@@ -164,7 +164,7 @@ def distributed(device: str, dtype: str, prompts, max_tokens: int, k: int) -> di
     from specserve.benchmarks.bench import round_probe
     from specserve.cluster.pair import SpeculativePair, ensure_ray
     ensure_ray()
-    fields = dict(device=device, dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1)
+    fields = dict(device=device, dtype=dtype, use_gpu=device == "cuda", gpus_per_actor=0.5, cpus_per_actor=1, k=k)
     target, drafter = str(DEFAULT_MODEL_DIR / "target"), str(DEFAULT_MODEL_DIR / "drafter")
     out = {}
     for name, drafter_path, pipeline, kk in (("plain", None, False, 0), ("speculative", drafter, False, k),

@@ -102,16 +102,18 @@ class SpeculativePair:
             raise
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 k: int = 4, request_id: str | None = None) -> GenerationResult:
-        ref = self.submit(prompt_ids, max_new_tokens, sampling, k, request_id)
+                 k: int = 4, request_id: str | None = None, method: str | None = None) -> GenerationResult:
+        ref = self.submit(prompt_ids, max_new_tokens, sampling, k, request_id, method=method)
         return self.result(ref)
 
-    def submit(self, prompt_ids, max_new_tokens, sampling=SamplingParams(), k=4, request_id=None, ignore_eos=False):
+    def submit(self, prompt_ids, max_new_tokens, sampling=SamplingParams(), k=4, request_id=None, ignore_eos=False,
+               method=None):
         """Starts a request; returns a Ray ObjectRef for `result` (or ray.get: the raw dict with
-        per-round timings). Cancel it with `cancel(request_id)`."""
-        k = k if self.config.drafter is not None else 0
+        per-round timings). Cancel it with `cancel(request_id)`. k: at most the config's; method: as
+        `engine.submit`'s (default: the drafter, or n-grams without one). Until stop 61 a pair without
+        a drafter decoded plainly, where its config says n-gram drafting."""
         return self.verifier.generate.remote(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens,
-                                             sampling.to_dict(), k, ignore_eos)
+                                             sampling.to_dict(), k, ignore_eos, method)
 
     @staticmethod
     def result(ref) -> GenerationResult:

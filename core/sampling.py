@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -43,14 +44,18 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 64):
             # (the wire's field is a uint64: a seed outside it made a remote drafter refuse the request,
             # which then ran without speculation, silently, until stop 51)
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            # (1.7 was taken as 1, and -5 kept, until stop 61)
+            raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -67,7 +67,8 @@ def build_engine(cfg: SpecServeConfig, drafter: DrafterHandle | str | Callable[[
         proposer = DraftModelProposer(drafter)
     return SpeculativeEngine(target, proposer, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              max_model_len=cfg.max_model_len, request_timeout_s=cfg.request_timeout_s,
-                             ngram=True, speculation=cfg.speculation, max_k=max(cfg.k, 1), hang_s=cfg.engine_hang_s)
+                             ngram=True, speculation=cfg.speculation, max_k=max(cfg.k, 1), hang_s=cfg.engine_hang_s,
+                             k_limit=cfg.k)
 
 
 class DrafterHandle:

@@ -319,6 +319,20 @@ def test_a_colocated_pair_drafts_in_its_verifier_and_stays_exact(ray_session, pa
         pair.shutdown()
 
 
+def test_a_pair_without_a_drafter_drafts_n_grams(ray_session, pairs):
+    """`drafter: null` is n-gram drafting (the config's docs), through the pair as in process: until
+    stop 61 (a user trial) `SpeculativePair(target, None)` sent every request k = 0."""
+    pair = SpeculativePair(pairs[0][0], None, cpus_per_actor=1, speculation="fixed", k=3)
+    try:
+        prompt = [5, 6, 7, 8] * 4  # (prompt lookup finds the cycle at once)
+        r = pair.generate(prompt, 16, SamplingParams(), k=8)  # (at most the config's 3)
+        assert r.stats.num_drafts > 0 and sum(r.stats.rounds_by_k[4:]) == 0, r.stats
+        plain = pair.generate(prompt, 16, SamplingParams(), k=3, method="none")
+        assert plain.stats.num_drafts == 0 and plain.token_ids == r.token_ids
+    finally:
+        pair.shutdown()
+
+
 def drafter_empties(pair, within_s: float = 10.0) -> bool:
     """Finished sequences are released on the drafter right after their round (outside the
     engine's locks), so the count reaches 0 a moment after the result."""

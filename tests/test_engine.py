@@ -159,6 +159,15 @@ def test_bad_requests_raise_value_error():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+    # stop 61 (a user trial): a prompt as a string or tensor was a TypeError or "ambiguous" error, stop ids 1.7
+    # and -5 and a seed of True were taken
+    for prompt in ("def f", torch.tensor([1, 2]), [1.0, 2.0]):
+        with pytest.raises(ValueError, match="the prompt must be a list of token ids"):
+            engine.generate(prompt, 3, SamplingParams(), 0)
+    for bad in (dict(stop_token_ids=[1.7]), dict(stop_token_ids=[-5]), dict(seed=True), dict(top_k=True)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert engine.generate((1, 2), 3, SamplingParams(stop_token_ids=[torch.tensor(3).item()]), 0).token_ids
     # a proposer this engine lacks is refused, unless no proposer runs (k = 0: it was refused too)
     with pytest.raises(ValueError, match="not available"):
         engine.generate([1, 2], 3, SamplingParams(), 2, method="draft_model")
@@ -237,3 +246,34 @@ def test_a_max_model_len_past_the_models_context_is_said(caplog):
     with caplog.at_level("WARNING", logger="specserve.engine"):
         assert SpeculativeEngine(target, None, max_model_len=16).max_length == 16
     assert "max_model_len" not in caplog.text
+
+
+def test_a_configs_k_limits_every_request(tiny_pair_dir):
+    """A config's k is the most drafts per round of every request, in Python as over HTTP, and 0
+    decodes plainly. Until stop 61 (a user trial) `engine.generate(..., k=8)` drafted 8 under a
+    config of k = 2, and under k = 0 drafted n-grams."""
+    from specserve.builder import build_engine
+    from specserve.config import SpecServeConfig
+    prompt = [5, 6, 7, 8] * 4  # (prompt lookup finds the cycle at once)
+    for k, drafter, method in ((2, tiny_pair_dir["drafter"], "draft_model"), (2, None, "ngram"), (0, None, None)):
+        engine = build_engine(SpecServeConfig(target=tiny_pair_dir["target"], drafter=drafter, k=k,
+                                              speculation="fixed", max_num_seqs=1, compile=False))
+        r = engine.generate(prompt, 24, SamplingParams(), k=8, method=method)
+        assert sum(r.stats.rounds_by_k[k + 1:]) == 0, (k, method, r.stats.rounds_by_k)
+        assert (r.stats.num_drafts > 0) == (k > 0), (k, method, r.stats)
+        assert r.token_ids == engine.generate(prompt, 24, SamplingParams(), k=0).token_ids
+
+
+def test_an_unfinished_request_s_result_is_an_error(tiny_pair_dir):
+    """Until stop 61 (a user trial) `engine.submit(...).result()` before the request ended gave an
+    empty result, silently."""
+    from specserve.builder import build_engine
+    from specserve.config import SpecServeConfig
+    engine = build_engine(SpecServeConfig(target=tiny_pair_dir["target"], drafter=None, k=0, max_num_seqs=1,
+                                          compile=False))
+    req = engine.submit([5, 6, 7], 4)
+    with pytest.raises(RuntimeError, match="is not finished"):
+        req.result()
+    while not req.done.is_set():
+        engine.step()
+    assert len(req.result().token_ids) == 4

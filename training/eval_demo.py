@@ -136,7 +136,8 @@ def evaluate(args) -> dict:
 
     # speculation fixed: each figure is at the k it is labelled with (until stop 61 the config's default,
     # adaptive, let the policy draft fewer, with its state carried from one k's run into the next)
-    spec = build_engine(SpecServeConfig(target=target_path, drafter=drafter_path, max_num_seqs=1, speculation="fixed"))
+    spec = build_engine(SpecServeConfig(target=target_path, drafter=drafter_path, max_num_seqs=1, speculation="fixed",
+                                        k=max(*args.ks, args.compare_k)))  # (the config's k is each request's limit)
     plain = SpeculativeEngine(spec.target, None)
     tok = spec.target.tokenizer
     prompts = heldout_prompts(models, args.prompts, args.prompt_tokens, tok, seed=args.seed)

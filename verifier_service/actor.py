@@ -25,7 +25,7 @@ class VerifierActor:
         self.engine.start()
 
     def generate(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, sampling: dict, k: int,
-                 ignore_eos: bool = False) -> dict:
+                 ignore_eos: bool = False, method: str | None = None) -> dict:
         """Returns {"token_ids", "finish_reason", "stats", "start", "chunks"} (chunks: (time, tokens)
         per round, on this actor's monotonic clock); raises ValueError for a bad request and
         Overloaded when the queue is full."""
@@ -35,7 +35,7 @@ class VerifierActor:
 
         start = time.monotonic()
         req = self.engine.submit(prompt_ids, max_new_tokens, SamplingParams(**sampling), k, request_id=request_id,
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, method=method)
         req.done.wait()
         result = req.result()
         return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),

@@ -43,6 +43,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 from typing import Callable
 
 from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer
@@ -174,6 +175,11 @@ class InvalidRequest(ValueError):
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length: int, vocab_size: int) -> None:
     """Raises InvalidRequest with a user-facing message for a request that cannot run."""
+    if not isinstance(prompt_ids, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                              for t in prompt_ids):
+        # (a string, a tensor or floats: a TypeError or "truth value ... ambiguous" until stop 61)
+        raise InvalidRequest(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}"
+                             + (" holding other things" if isinstance(prompt_ids, (list, tuple)) else ""), "prompt")
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not (0 <= t < vocab_size) for t in prompt_ids):
@@ -245,8 +251,14 @@ class Request:
         return self.via is not None
 
     def result(self) -> GenerationResult:
+        """The request's result once `done` is set (its error, raised, if it failed). Until stop 61 an
+        unfinished request gave an empty result, silently: an engine whose loop nobody runs (neither
+        `start()` nor `step()` calls) never finishes one."""
         if self.error is not None:
             raise self.error
+        if not self.done.is_set():
+            raise RuntimeError(f"request {self.id!r} is not finished: wait on its `done` event, with the engine's "
+                               "loop running (engine.start(), or engine.step() calls; engine.generate does both)")
         return GenerationResult(self.out, self.finish_reason, self.stats)
 
 
@@ -256,12 +268,13 @@ class SpeculativeEngine:
     def __init__(self, target: ModelRunner, proposer: Proposer | None = None, eos_ids: set[int] | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None, max_waiting: int = 64,
                  request_timeout_s: float | None = None, ngram: bool = False, speculation: str = "fixed",
-                 max_k: int = MAX_K, hang_s: float | None = None):
+                 max_k: int = MAX_K, hang_s: float | None = None, k_limit: int | None = None):
         """proposer: the drafter (in process or remote), or None; ngram: whether the n-gram
         proposer is available (the default without a drafter, the fallback while it is down);
         speculation: "fixed" or "adaptive" (see `policy`; adaptive profiles the target's passes
         for up to max_k drafts, and the drafter's on-demand calls, now); hang_s: `health` says
-        "dead" while the loop has been in one step this long (None: never)."""
+        "dead" while the loop has been in one step this long (None: never); k_limit: the most drafts
+        per round of any request, whatever its k (a config's `k`; 0: no speculation; None: no limit)."""
         if not 1 <= max_k <= MAX_K:
             raise ValueError(f"max_k must be in [1, {MAX_K}], got {max_k}")
         if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
@@ -275,6 +288,7 @@ class SpeculativeEngine:
         if ngram:
             self.proposers["ngram"] = NgramProposer(target.vocab_size)
         self.default_method = next(iter(self.proposers), "none")
+        self.k_limit = k_limit
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
         self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)
         self.max_length = min(target.max_length, proposer.max_length if proposer else 1 << 30,
@@ -346,6 +360,8 @@ class SpeculativeEngine:
                                  f"{sorted(self.proposers) + ['none']})", "speculative.method")
         k = k if method != "none" else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
+        if self.k_limit is not None:  # (a config's k limited HTTP requests only until stop 61: engine.generate,
+            k = min(k, self.k_limit)  # the pair's too, drafted the k they were given, and a k of 0 drafted n-grams)
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
                       (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish,
