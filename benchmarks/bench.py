@@ -27,6 +27,7 @@ import torch
 from specserve.benchmarks.endpoint import out_prefix
 from specserve.benchmarks.serve import int_list
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
+from specserve.core.proposer import MAX_K
 from specserve.training.demo_pair import heldout_prompts
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -610,6 +611,8 @@ def main(argv=None) -> int:
     if argv and argv[0] in OWN_PARSER_BENCHES:
         return importlib.import_module(f"specserve.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
     args = p.parse_args(argv)
+    if not 1 <= args.k <= MAX_K:  # (k 0 gave a pair without a drafter, whose rows then failed)
+        p.error(f"-k must be in [1, {MAX_K}] (the plain row runs k = 0 itself), got {args.k}")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)

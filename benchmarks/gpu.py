@@ -257,6 +257,9 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("specserve bench gpu: error: no CUDA GPU visible (use --dry-run on a CPU)", file=sys.stderr)
         return 2
+    if args.k == 0:  # (the config then has no drafter, and the speculative rows failed: the plain ones run k 0)
+        print("specserve bench gpu: error: -k must be >= 1", file=sys.stderr)
+        return 2
     try:
         fanouts = args.fanouts or ([1, 2] if args.dry_run else [1, 4, 8])
         for f in fanouts:

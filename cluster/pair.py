@@ -6,7 +6,9 @@ verifier actor alone with the drafter in its process (one bundle).
     result = pair.generate(prompt_ids, max_new_tokens=64, sampling=SamplingParams(), k=4)
     pair.shutdown()
 
-`generate` has the same signature and returns the same GenerationResult as the in-process engine.
+`generate` takes a request as the in-process engine's does (prompt, max_new_tokens, sampling, k,
+and request_id and method as keywords) and returns the same GenerationResult. The config's k limits
+each request's k, as in the engine and over HTTP.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class SpeculativePair:
         per-round timings). Cancel it with `cancel(request_id)`. k: at most the config's; method: as
         `engine.submit`'s (default: the drafter, or n-grams without one). Until stop 61 a pair without
         a drafter decoded plainly, where its config says n-gram drafting."""
-        return self.verifier.generate.remote(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens,
+        prompt_ids = list(prompt_ids) if isinstance(prompt_ids, tuple) else prompt_ids  # (others: the engine says)
+        return self.verifier.generate.remote(request_id or uuid.uuid4().hex, prompt_ids, max_new_tokens,
                                              sampling.to_dict(), k, ignore_eos, method)
 
     @staticmethod

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import random
 from dataclasses import asdict, dataclass, field
-from numbers import Integral
 
 import torch
 
@@ -23,6 +23,14 @@ MIN_TEMPERATURE = 1e-3
 # A user's seed, through the HTTP API or the CLI: any 64-bit integer, signed or not (OpenAI's are
 # int64, -1 included), taken modulo 2**63, so the same seed gives the same text both ways.
 SEED_LOW, SEED_HIGH, SEED_RANGE = -2 ** 63, 2 ** 64, 2 ** 63
+
+
+def is_token_id(t) -> bool:
+    """An int-like (an int, a numpy or 0-d torch integer: `operator.index` takes it), not a bool."""
+    try:
+        return not isinstance(t, bool) and operator.index(t) >= 0
+    except TypeError:
+        return False
 
 
 def user_seed(seed: int) -> int:
@@ -53,10 +61,10 @@ class SamplingParams:
             # (the wire's field is a uint64: a seed outside it made a remote drafter refuse the request,
             # which then ran without speculation, silently, until stop 51)
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_token_id(t) for t in self.stop_token_ids):
             # (1.7 was taken as 1, and -5 kept, until stop 61)
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

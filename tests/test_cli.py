@@ -189,6 +189,8 @@ def test_more_bad_invocations_are_messages_not_tracebacks(tiny_pair_dir, tmp_pat
             (["bench", "batching", "--concurrency", "1,x"], "expected comma-separated integers"),
             (["bench", "distributed", "--models", str(tmp_path / "none")], "is not a directory"),
             (["bench", "gpu", "--dry-run", "-k", "99"], "k must be an integer in [0, 16]"),
+            (["bench", "batching", "-k", "0"], "-k must be in [1, 16]"), (["bench", "gpu", "--dry-run", "-k", "0"],
+                                                                         "-k must be >= 1"),
             (["bench", "gpu", "--dry-run", "--prompts", "0"], "--prompts and --max-tokens must be >= 1"),
             (["eval-demo", "--ks", "a"], "--ks must be a comma-separated list"),
             (["eval-demo", "--temperature", "-1"], "--temperature must be > 0"),

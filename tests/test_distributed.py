@@ -49,7 +49,7 @@ def test_greedy_exact_through_ray_and_grpc(ray_session, pairs, pipeline, which):
         # fixed k: the pipeline-hit check needs consecutive drafted rounds, which the adaptive
         # policy does not promise on a loaded machine (output exactness is checked either way)
         pair = SpeculativePair(target, drafter, pipeline=pipeline, cpus_per_actor=1, speculation="fixed",
-                               dtype=dtype)
+                               dtype=dtype, k=6)  # (the config's k limits each request's: 4 by default)
         try:
             rng = random.Random(i)
             drafted_rounds = hits = hit_able = 0
@@ -89,7 +89,7 @@ def test_greedy_exact_through_ray_and_grpc_with_a_draft_vocabulary(ray_session, 
     write(drafter, list(range(3, 300, 2)), 40, "odd token ids, for a test")
     for setting, size in (("auto", 40), (90, 90)):
         pair = SpeculativePair(target, drafter, pipeline=True, cpus_per_actor=1, speculation="fixed",
-                               draft_vocab=setting)
+                               draft_vocab=setting, k=5)
         try:
             assert ray.get(pair.drafter.actor.draft_vocab_size.remote()) == size
             rng = random.Random(size)
@@ -300,7 +300,7 @@ def test_a_colocated_pair_drafts_in_its_verifier_and_stays_exact(ray_session, pa
     reproducible."""
     import ray
     target, drafter = pairs[0]
-    pair = SpeculativePair(target, drafter, colocate=True, use_gpu=True, cpus_per_actor=1, speculation="fixed")
+    pair = SpeculativePair(target, drafter, colocate=True, use_gpu=True, cpus_per_actor=1, speculation="fixed", k=6)
     try:
         assert pair.drafter is None and pair.config.bundles() == [{"CPU": 1, "GPU": 1.0}]
         assert len(ray.get(pair.verifier.accelerator_ids.remote())) == 1

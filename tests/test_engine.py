@@ -255,7 +255,9 @@ def test_a_configs_k_limits_every_request(tiny_pair_dir):
     from specserve.builder import build_engine
     from specserve.config import SpecServeConfig
     prompt = [5, 6, 7, 8] * 4  # (prompt lookup finds the cycle at once)
-    for k, drafter, method in ((2, tiny_pair_dir["drafter"], "draft_model"), (2, None, "ngram"), (0, None, None)):
+    # (k = 0 with method draft_model: plain, as over HTTP, though the config then starts no drafter)
+    for k, drafter, method in ((2, tiny_pair_dir["drafter"], "draft_model"), (2, None, "ngram"), (0, None, None),
+                               (0, tiny_pair_dir["drafter"], "draft_model")):
         engine = build_engine(SpecServeConfig(target=tiny_pair_dir["target"], drafter=drafter, k=k,
                                               speculation="fixed", max_num_seqs=1, compile=False))
         r = engine.generate(prompt, 24, SamplingParams(), k=8, method=method)

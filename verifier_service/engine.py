@@ -43,12 +43,11 @@ import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from numbers import Integral
 from typing import Callable
 
 from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
-from specserve.core.sampling import SamplingParams, request_generator, warp
+from specserve.core.sampling import SamplingParams, is_token_id, request_generator, warp
 from specserve.verifier.acceptance import accept_batch, accept_greedy
 from specserve.verifier.ngram import NgramProposer
 from specserve.verifier.policy import (CATCH_UP_TOKENS, PROFILE_SETTLE, Acceptance, PassCosts, SpeculationPolicy,
@@ -175,8 +174,7 @@ class InvalidRequest(ValueError):
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length: int, vocab_size: int) -> None:
     """Raises InvalidRequest with a user-facing message for a request that cannot run."""
-    if not isinstance(prompt_ids, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool)
-                                                              for t in prompt_ids):
+    if not isinstance(prompt_ids, (list, tuple)) or not all(is_token_id(t) for t in prompt_ids):
         # (a string, a tensor or floats: a TypeError or "truth value ... ambiguous" until stop 61)
         raise InvalidRequest(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}"
                              + (" holding other things" if isinstance(prompt_ids, (list, tuple)) else ""), "prompt")
@@ -288,6 +286,8 @@ class SpeculativeEngine:
         if ngram:
             self.proposers["ngram"] = NgramProposer(target.vocab_size)
         self.default_method = next(iter(self.proposers), "none")
+        if k_limit is not None and not (isinstance(k_limit, int) and 0 <= k_limit <= MAX_K):
+            raise ValueError(f"k_limit must be None or in [0, {MAX_K}], got {k_limit!r}")
         self.k_limit = k_limit
         self.eos_ids = eos_token_ids(target.model) if eos_ids is None else set(eos_ids)
         self.max_num_seqs = min(max_num_seqs or target.slots, target.slots)
@@ -355,13 +355,13 @@ class SpeculativeEngine:
         method = self.default_method if method is None else method
         if method not in METHODS:
             raise InvalidRequest(f"speculative method must be one of {METHODS}, got {method!r}", "speculative.method")
-        if method != "none" and k and method not in self.proposers:  # (k = 0: no proposer runs)
-            raise InvalidRequest(f"speculative method {method!r} is not available here (available: "
-                                 f"{sorted(self.proposers) + ['none']})", "speculative.method")
-        k = k if method != "none" else 0
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         if self.k_limit is not None:  # (a config's k limited HTTP requests only until stop 61: engine.generate,
             k = min(k, self.k_limit)  # the pair's too, drafted the k they were given, and a k of 0 drafted n-grams)
+        k = k if method != "none" else 0
+        if method != "none" and k and method not in self.proposers:  # (k = 0: no proposer runs)
+            raise InvalidRequest(f"speculative method {method!r} is not available here (available: "
+                                 f"{sorted(self.proposers) + ['none']})", "speculative.method")
         params = sampling.with_seed()
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
                       (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish,
