@@ -6,9 +6,9 @@ verifier actor alone with the drafter in its process (one bundle).
     result = pair.generate(prompt_ids, max_new_tokens=64, sampling=SamplingParams(), k=4)
     pair.shutdown()
 
-`generate` takes a request as the in-process engine's does (prompt, max_new_tokens, sampling, k,
-and request_id and method as keywords) and returns the same GenerationResult. The config's k limits
-each request's k, as in the engine and over HTTP.
+`generate` takes prompt, max_new_tokens, sampling, k and method as `engine.generate` does (no
+on_tokens), plus request_id for `cancel`, and returns the same GenerationResult. The config's k
+limits each request's k, as in the engine and over HTTP.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ CALL_TIMEOUT_S = 30.0  # SpeculativePair's control calls (cancel, load, health) 
 
 class SpeculativePair:
     """`SpeculativePair(target, drafter, pipeline=True, **fields)`: any other `SpecServeConfig`
-    field (max_num_seqs, max_waiting, use_gpu, cpus_per_actor, ...) as a keyword."""
+    field (max_num_seqs, max_waiting, use_gpu, cpus_per_actor, k, ...) as a keyword. drafter None:
+    n-gram drafting in the verifier (the config's k still limits it)."""
 
     def __init__(self, target: str, drafter: str | None, pipeline: bool | str = True, **fields):
         ensure_ray()

@@ -167,7 +167,11 @@ def test_bad_requests_raise_value_error():
     for bad in (dict(stop_token_ids=[1.7]), dict(stop_token_ids=[-5]), dict(seed=True), dict(top_k=True)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    assert engine.generate((1, 2), 3, SamplingParams(stop_token_ids=[torch.tensor(3).item()]), 0).token_ids
+    assert engine.generate((1, 2), 3, SamplingParams(stop_token_ids=[torch.tensor(3)]), 0).token_ids == \
+        engine.generate([torch.tensor(1), 2], 3, SamplingParams(stop_token_ids=[3]), 0).token_ids  # (int-likes taken)
+    for bad_k in (True, 2.0):
+        with pytest.raises(ValueError, match="k must be an integer"):
+            engine.generate([1, 2], 3, SamplingParams(), bad_k)
     # a proposer this engine lacks is refused, unless no proposer runs (k = 0: it was refused too)
     with pytest.raises(ValueError, match="not available"):
         engine.generate([1, 2], 3, SamplingParams(), 2, method="draft_model")

@@ -10,7 +10,8 @@ import ray
 @ray.remote
 class VerifierActor:
     def __init__(self, config: dict, drafter=None):
-        """drafter: the pair's `specserve.builder.DrafterHandle` (None: no speculation)."""
+        """drafter: the pair's `specserve.builder.DrafterHandle` (None: the drafter colocated in this
+        process, or none, and then n-gram drafting, as the config says)."""
         import torch
         from transformers.utils import logging as hf_logging
 

@@ -38,6 +38,7 @@ Failures stay where they belong:
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -182,9 +183,9 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not (0 <= t < vocab_size) for t in prompt_ids):
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_tokens")
-    if not isinstance(k, int) or not 0 <= k <= MAX_K:
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
         raise InvalidRequest(f"k must be an integer in [0, {MAX_K}], got {k!r}", "speculative.k")
     if len(prompt_ids) + max_new_tokens > max_length:
         raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) exceeds the "
@@ -348,7 +349,8 @@ class SpeculativeEngine:
                request_id: str | None = None, on_finish: Callable[[Request], None] | None = None,
                ignore_eos: bool = False, timeout_s: float | None = None, method: str | None = None) -> Request:
         """Queues a request (ValueError if it cannot run, Overloaded if the queue is full).
-        k: the most drafts per round; method: its proposer (METHODS; default: the engine's).
+        k: the most drafts per round, at most `k_limit` (a config's k; 0: plain, whatever the
+        method); method: its proposer (METHODS; default: the engine's).
         ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension).
         timeout_s: fail the request (RequestTimeout) after this long (default: the engine's)."""
         seeded = not sampling.greedy and sampling.seed is not None
@@ -357,13 +359,14 @@ class SpeculativeEngine:
             raise InvalidRequest(f"speculative method must be one of {METHODS}, got {method!r}", "speculative.method")
         check_request(prompt_ids, max_new_tokens, k, self.max_length, self.target.vocab_size)
         if self.k_limit is not None:  # (a config's k limited HTTP requests only until stop 61: engine.generate,
-            k = min(k, self.k_limit)  # the pair's too, drafted the k they were given, and a k of 0 drafted n-grams)
+            k = min(k, self.k_limit)  # the pair's too, drafted the k they were given, and a config's k of 0 n-grams)
         k = k if method != "none" else 0
         if method != "none" and k and method not in self.proposers:  # (k = 0: no proposer runs)
             raise InvalidRequest(f"speculative method {method!r} is not available here (available: "
                                  f"{sorted(self.proposers) + ['none']})", "speculative.method")
         params = sampling.with_seed()
-        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), max_new_tokens, params, k,
+        prompt_ids = [operator.index(t) for t in prompt_ids]  # (ints: a 0-d torch id hashes by identity, and the
+        req = Request(request_id or uuid.uuid4().hex, prompt_ids, max_new_tokens, params, k,  # n-gram index missed)
                       (set() if ignore_eos else self.eos_ids) | set(params.stop_token_ids), on_tokens, on_finish,
                       method=method if k else "none", fixed_k=seeded)
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
