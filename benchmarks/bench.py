@@ -46,6 +46,13 @@ OWN_PARSER_BENCHES = {"soak": "sustained load on the HTTP endpoint, drafter kill
                       "rounds": "batch 1: Propose round trip (unary, stream) and the round's outcome sent early or not"}
 
 
+def check_draft_k(p: argparse.ArgumentParser, k: int) -> None:
+    """-k of a bench whose speculative rows need a drafter (k 0 gave a pair without one, and its
+    rows failed; the plain rows run k = 0 themselves)."""
+    if not 1 <= k <= MAX_K:
+        p.error(f"-k must be in [1, {MAX_K}], got {k}")
+
+
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="both models' dtype (auto: as served, see specserve.core.runner.resolve_dtype)")
@@ -400,7 +407,6 @@ def plot_batching(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     levels, rows = report["concurrency"], report["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in ("speculative, sequential", "speculative, pipelined", "adaptive, pipelined", CONTROL, COLOCATED):
@@ -611,8 +617,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in OWN_PARSER_BENCHES:
         return importlib.import_module(f"specserve.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
     args = p.parse_args(argv)
-    if not 1 <= args.k <= MAX_K:  # (k 0 gave a pair without a drafter, whose rows then failed)
-        p.error(f"-k must be in [1, {MAX_K}] (the plain row runs k = 0 itself), got {args.k}")
+    check_draft_k(p, args.k)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.bench import RESULTS_DIR, add_dtype_arg, dtypes_line, init_ray, resolved_dtypes, round_probe, run_rows
+from specserve.benchmarks.bench import (RESULTS_DIR, add_dtype_arg, check_draft_k, dtypes_line, init_ray, resolved_dtypes,
+                                        round_probe, run_rows)
 from specserve.benchmarks.endpoint import out_prefix
 from specserve.config import DEFAULT_MODEL_DIR
-from specserve.core.proposer import MAX_K
 
 
 def head_products(drafter_path: str, sizes: list[int], dtype: str, reps: int = 300) -> dict:
@@ -201,15 +201,13 @@ def main(argv=None) -> int:
     add_dtype_arg(p)
     p.add_argument("--out", type=out_prefix, default=str(RESULTS_DIR / "draft_vocab"), help="writes OUT.json, OUT.md and OUT.png")
     args = p.parse_args(argv)
-    if not 1 <= args.k <= MAX_K:  # (k 0 gave a pair without a drafter, whose rows then failed)
-        p.error(f"-k must be in [1, {MAX_K}], got {args.k}")
+    check_draft_k(p, args.k)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     report = bench(args)
     command = "specserve bench draft-vocab " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(report, command)
     print(md)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n")
     Path(args.out + ".md").write_text(md)
     plot(report, args.out + ".png")

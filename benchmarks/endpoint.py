@@ -112,8 +112,8 @@ def out_prefix(out: str) -> str:
 
 
 def write_results(out: str, report: dict, md: str) -> None:
-    """OUT.json and OUT.md (a PNG, if any, is written by the bench itself), and the Markdown on stdout."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # (checked by out_prefix: still there?)
+    """OUT.json and OUT.md (a PNG, if any, is written by the bench itself), and the Markdown on stdout.
+    OUT's folder was made when the flags were read (`out_prefix`)."""
     with open(out + ".json", "w") as f:
         f.write(json.dumps(report, indent=1) + "\n")
     with open(out + ".md", "w") as f:

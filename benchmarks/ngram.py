@@ -185,7 +185,6 @@ def main(argv=None) -> int:
     report["plot"] = Path(args.out).name + ".png"  # named in the Markdown
     report["command"] = "specserve bench ngram " + " ".join(sys.argv[1:] if argv is None else argv)
     md = markdown(report, report["command"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
     Path(args.out + ".md").write_text(md)
     plot(report, args.out + ".png")
