@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.endpoint import write_results
+from specserve.benchmarks.endpoint import out_prefix, write_results
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from specserve.drafter.pipeline import AcceptanceCalibration
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.8, help="the sampled run's (a greedy run always comes first)")
     p.add_argument("--target-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "benchmarks" / "hit_ceiling"))
+    p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "hit_ceiling"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,9 +168,9 @@ def main(argv=None) -> int:
             print(run, flush=True)
     out = Path(args.out)
     report["png"] = out.name + ".png"
-    plot(report, str(out) + ".png")
     command = "python benchmarks/diagnostics/hit_ceiling.py " + shlex.join(argv)
-    write_results(str(out), report, markdown(report, command.strip()))
+    write_results(str(out), report, markdown(report, command.strip()))  # the run's figures first, the plot after
+    plot(report, str(out) + ".png")
     return 0
 
 
