@@ -49,6 +49,22 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _shown(value, most: int = 200) -> str:
+    """A JSON value for a message, cut to `most` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON values: Python's True == 1 and 0 == False do not count (until stop 62 `echo: 0`,
+    `best_of: true` and `presence_penalty: false` passed as the values that ask for nothing)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if _is_number(a) and _is_number(b):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
 def _is_text(v) -> bool:
     """A string that is valid Unicode text (JSON can carry lone surrogates, which no tokenizer takes)."""
     if not isinstance(v, str):
@@ -149,14 +165,21 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     elif isinstance(prompt, list):
         if not prompt:
             raise _bad("'prompt' is empty", "prompt")
+        # OpenAI's batch of prompts: a feature not implemented, coded as the others (invalid_value until stop 62)
+        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise _bad(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
+                       "prompt", "unsupported_value")
         if not all(_is_int(t) and t >= 0 for t in prompt):
             raise _bad("'prompt' must be a string or a list of non-negative token ids (one prompt per request)",
                        "prompt")
     else:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
     for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
-        if body.get(name) not in inert:  # 400, not a 200 that ignores it
-            raise _bad(f"'{name}' is not supported ({what})", name, "unsupported_value")
+        value = body.get(name)  # 400, not a 200 that ignores it
+        if not any(_same(value, x) for x in inert):
+            accepted = " or ".join(json.dumps(x) for x in inert if x is not None)
+            raise _bad(f"'{name}' is not supported ({what}): it may be absent{' or ' + accepted if accepted else ''}, "
+                       f"got {_shown(value)}", name, "unsupported_value")
     # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
     # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
     if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
@@ -164,9 +187,10 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
                    "tokens')", "logprobs", "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
     default = None if chat else 16
+    # max_completion_tokens: OpenAI's newer name, which supersedes max_tokens (as in vLLM and SGLang: a client
+    # sending both means the new one); each is checked (until stop 62 one sent beside max_tokens was not read)
     req.max_tokens = _get(body, "max_tokens", default, _is_int, lambda v: v >= 1, "an integer >= 1")
-    if body.get("max_tokens") is None:  # the chat API's newer name for it (what the openai client sends)
-        req.max_tokens = _get(body, "max_completion_tokens", default, _is_int, lambda v: v >= 1, "an integer >= 1")
+    req.max_tokens = _get(body, "max_completion_tokens", req.max_tokens, _is_int, lambda v: v >= 1, "an integer >= 1")
     req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v == 0 or v >= MIN_TEMPERATURE,
                                  f"0 (greedy) or a number >= {MIN_TEMPERATURE}"))
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))

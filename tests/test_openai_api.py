@@ -199,13 +199,40 @@ def test_an_error_s_type_follows_its_status():
          "invalid_request_error", "invalid_request_error", "server_error", "overloaded_error", "timeout_error"]
 
 
-def test_max_completion_tokens_is_max_tokens_when_that_is_absent():
+def test_max_completion_tokens_supersedes_max_tokens_and_each_is_checked():
+    """As vLLM and SGLang: a client sending both means the newer name. Until stop 62 max_tokens won,
+    and a max_completion_tokens beside it ("abc", 0, -3) was never read: a 200."""
     assert parse_completion({"model": "m", "prompt": "p", "max_completion_tokens": 40}, "m").max_tokens == 40
     assert parse_completion({"model": "m", "prompt": "p", "max_tokens": 7, "max_completion_tokens": 40},
+                            "m").max_tokens == 40
+    assert parse_completion({"model": "m", "prompt": "p", "max_tokens": 7, "max_completion_tokens": None},
                             "m").max_tokens == 7
+    for body in ({"max_completion_tokens": 0}, {"max_tokens": 5, "max_completion_tokens": "abc"},
+                 {"max_tokens": 5, "max_completion_tokens": -3}, {"max_tokens": 0, "max_completion_tokens": 5}):
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": "p", **body}, "m", chat=True)
+        assert e.value.status == 400 and e.value.param == next(k for k, v in body.items() if v in (0, -3, "abc"))
+
+
+@pytest.mark.parametrize("field,value", [("echo", 0), ("best_of", True), ("presence_penalty", False),
+                                         ("skip_special_tokens", 1), ("top_logprobs", False), ("min_p", False),
+                                         ("frequency_penalty", "0")])
+def test_a_field_not_implemented_asks_for_nothing_only_with_its_own_type(field, value):
+    """Python's 0 == False and 1 == True let these pass as the values that ask for nothing until stop 62."""
     with pytest.raises(APIError) as e:
-        parse_completion({"model": "m", "prompt": "p", "max_completion_tokens": 0}, "m")
-    assert e.value.param == "max_completion_tokens"
+        parse_completion({"model": "m", "prompt": "p", field: value}, "m")
+    assert e.value.code == "unsupported_value" and e.value.param == field and "got " in e.value.message
+
+
+def test_a_batch_of_prompts_is_refused_as_a_feature_not_implemented():
+    for prompt in (["def f(x):", "class A:"], [[1, 2], [3, 4]]):
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": prompt}, "m")
+        assert e.value.code == "unsupported_value" and e.value.param == "prompt" and "batch of 2" in e.value.message
+    assert parse_completion({"model": "m", "prompt": ["def f(x):"]}, "m").prompt == "def f(x):"  # a batch of one
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": [1, "a"]}, "m")
+    assert e.value.code == "invalid_value"
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tok):
