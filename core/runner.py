@@ -169,6 +169,11 @@ def use_compile_cache() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
+def context_length(config) -> int:
+    """A model's context in tokens, from its transformers config."""
+    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 1 << 30))
+
+
 def check_weights(path: str) -> None:
     """A model folder holds weights (safetensors or a PyTorch .bin, whole or sharded) under a name
     transformers loads: checked before a server starts actors that would fail to load it."""
@@ -359,8 +364,7 @@ class ModelRunner:
 
     @property
     def max_length(self) -> int:
-        cfg = self.model.config
-        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30))
+        return context_length(self.model.config)
 
     def prefill(self, prompt_ids: list[int], slot: int = 0) -> torch.Tensor | None:
         """Start a sequence in `slot`: a fresh cache holding `prompt_ids`. Returns the last logits."""

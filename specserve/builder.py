@@ -22,7 +22,7 @@ from typing import Callable
 
 from specserve.config import SpecServeConfig
 from specserve.core.draft_vocab import resolve as draft_vocab_ids
-from specserve.core.runner import ModelRunner, check_weights, load_tokenizer, same_tokenizer
+from specserve.core.runner import ModelRunner, check_weights, context_length, load_tokenizer, same_tokenizer
 
 
 def check_pair(cfg: SpecServeConfig):
@@ -37,7 +37,25 @@ def check_pair(cfg: SpecServeConfig):
                          "speculative decoding needs one shared vocabulary")
     if cfg.drafter is not None:  # its draft vocabulary (file and setting) before any actor starts
         draft_vocab_ids(cfg.drafter, cfg.draft_vocab, len(tokenizer))
+    if cfg.max_model_len is not None:  # (until stop 62 cut to the context, said only in the replica's log)
+        check_model_len(cfg)
     return tokenizer
+
+
+def check_model_len(cfg: SpecServeConfig) -> None:
+    """Refuses a `max_model_len` beyond the context of the models that will run (as vLLM does)."""
+    from transformers import AutoConfig
+
+    models = {"target": cfg.target}
+    if cfg.drafter is not None and cfg.k:
+        models["drafter"] = cfg.drafter
+    contexts = {name: context_length(AutoConfig.from_pretrained(path, local_files_only=True))
+                for name, path in models.items()}
+    most = min(contexts.values())
+    if cfg.max_model_len > most:
+        told = ", ".join(f"the {name}'s {n}" for name, n in contexts.items())
+        raise ValueError(f"max_model_len {cfg.max_model_len} is more than the models' context ({told} tokens): "
+                         f"set it to at most {most}, or leave it unset")
 
 
 def build_engine(cfg: SpecServeConfig, drafter: DrafterHandle | str | Callable[[], str] | None = None,

@@ -252,6 +252,22 @@ def test_a_max_model_len_past_the_models_context_is_said(caplog):
     assert "max_model_len" not in caplog.text
 
 
+def test_a_config_s_max_model_len_past_the_models_context_is_refused_before_anything_starts(tiny_pair_dir):
+    """As vLLM: `serve` with such a config started, and its requests were cut to the context, said
+    only in the pair replica's log (until stop 62)."""
+    from specserve.builder import check_pair
+    from specserve.config import SpecServeConfig
+    from specserve.core.runner import context_length
+    from transformers import AutoConfig
+
+    most = context_length(AutoConfig.from_pretrained(tiny_pair_dir["target"]))
+    pair = {"target": tiny_pair_dir["target"], "drafter": tiny_pair_dir["drafter"]}
+    with pytest.raises(ValueError, match=f"max_model_len {most + 1} is more than the models' context.*at most {most}"):
+        check_pair(SpecServeConfig(**pair, max_model_len=most + 1))
+    check_pair(SpecServeConfig(**pair, max_model_len=most))
+    check_pair(SpecServeConfig(**pair))
+
+
 def test_a_configs_k_limits_every_request(tiny_pair_dir):
     """A config's k is the most drafts per round of every request, in Python as over HTTP, and 0
     decodes plainly. Until stop 61 (a user trial) `engine.generate(..., k=8)` drafted 8 under a
