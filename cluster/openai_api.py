@@ -264,6 +264,11 @@ def chat_prompt(body, tokenizer) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", code="chat_template_missing")
     messages = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(messages, list):  # a tool-calling conversation (until stop 62 told only the shape expected)
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and (m.get("tool_calls") or m.get("function_call")):
+                raise _bad(f"messages[{i}]: tool and function calls are not supported (no tool calls)",
+                           "messages", "unsupported_value")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and _is_text(m.get("role")) and (_is_text(m.get("content"))
                                                                  or isinstance(m.get("content"), list))

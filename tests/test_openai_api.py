@@ -249,6 +249,22 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tok):
     assert e.value.status == 400 and "roles must alternate" in e.value.message
 
 
+def test_a_conversation_with_tool_calls_is_refused_as_not_implemented():
+    """An assistant message of tool calls (content null) was told only "'messages' must be a
+    non-empty list of {role, content} objects" until stop 62."""
+    from specserve.cluster.openai_api import chat_prompt
+    from specserve.training.tiny import tiny_tokenizer
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "assistant", "content": "ok", "function_call": {"name": "f", "arguments": "{}"}}):
+        with pytest.raises(APIError) as e:
+            chat_prompt({"messages": [{"role": "user", "content": "hi"}, message]}, tok)
+        assert e.value.code == "unsupported_value" and "messages[1]" in e.value.message
+    assert "hi" in chat_prompt({"messages": [{"role": "user", "content": "hi"}], "tool_calls": []}, tok)
+
+
 def test_chat_fields_asked_for_and_not_done_are_400s_and_the_rest_is_accepted():
     for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
                          ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
