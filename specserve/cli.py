@@ -6,6 +6,7 @@ import argparse
 import errno
 import importlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -197,6 +198,17 @@ def cmd_generate(args) -> int:
               f"acceptance rate {stats['acceptance_rate']:.2f}, mean acceptance length "
               f"{stats['mean_acceptance_length']:.2f}, finish_reason {result.finish_reason}", file=sys.stderr)
     return 0
+
+
+class _Without(logging.Filter):
+    """Drops the log records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def last_line(error: Exception, default: str) -> str:
@@ -401,11 +413,19 @@ def cmd_serve(args) -> int:
         print(f"warning: {msg}; the Ray cluster joined has less now, so the app starts once it grows",
               file=sys.stderr, flush=True)
     serve.start(http_options={"host": host, "port": port})
+    # serve.run connects to the Serve that serve.start just started with our host and port, and logs that
+    # "New http_options/controller_options will not be applied" (at every start until stop 62): not so here
+    # (a Serve this command found already running was told of by serve.start, which checked the options)
+    said_by_run = logging.getLogger("ray.serve")
+    quiet = _Without("New http_options/controller_options will not be applied")
+    said_by_run.addFilter(quiet)
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
         raise CLIError(f"the app did not start: {deploy_failure('specserve') or last_line(e, type(e).__name__)} "
                        "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
+    finally:
+        said_by_run.removeFilter(quiet)
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "" if not cfg.api_key else ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' \

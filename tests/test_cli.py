@@ -100,6 +100,8 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         assert any(f"http://localhost:{port}" in line for line in lines)
+        # Serve's note that our host and port "will not be applied", which they are (logged until stop 62)
+        assert not any("will not be applied" in line for line in lines), "".join(lines)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
