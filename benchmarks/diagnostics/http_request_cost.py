@@ -1,6 +1,7 @@
 """Diagnostic (prints, writes no result file): what one request costs on the HTTP path, apart from
-decoding. Starts `specserve serve -k 0` (plain decoding: the drafter plays no part) and, in this
-process, the engine of the same config; then, one request at a time, interleaved, the median
+decoding. Starts `specserve serve -k K --speculation fixed` (K = 0, the default: plain decoding, the
+drafter plays no part) and, in this process, the engine of the same config (its drafter in this
+process); then, one request at a time, interleaved, the median
 milliseconds of:
 
 - `GET /v1/models`: the proxy and the ingress, nothing else;
@@ -9,7 +10,7 @@ milliseconds of:
   `engine.generate` of the same prompt ids in process: the difference is what the HTTP path adds
   (tokenizing, the ingress's call to the pair replica, its messages back, the response).
 
-    .venv/bin/python benchmarks/diagnostics/http_request_cost.py [--port 8476] [--repeats 3] [--requests 20]
+    .venv/bin/python benchmarks/diagnostics/http_request_cost.py [--port 8476] [--repeats 3] [--requests 20] [-k 0]
 """
 import argparse
 import signal
@@ -37,6 +38,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8476)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=20, help="per measurement (their median is printed)")
+    p.add_argument("-k", type=int, default=0, help="the server's and the engine's k (0: plain decoding; more: the "
+                   "served pair's drafter actor against the drafter in this process; speculation fixed)")
     args = p.parse_args()
     import httpx
 
@@ -45,12 +48,13 @@ def main() -> int:
     from specserve.core.runner import load_tokenizer
     from specserve.core.sampling import SamplingParams
 
-    cfg = SpecServeConfig(k=0, max_num_seqs=1)
+    cfg = SpecServeConfig(k=args.k, max_num_seqs=1, speculation="fixed")
     tokenizer = load_tokenizer(cfg.target)
     texts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):", "class Stack:\n    def __init__(self):",
              "for i in range(10):"]
     ids_list = [tokenizer(texts[i % len(texts)])["input_ids"] for i in range(args.requests)]
-    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(args.port), "-k", "0"],
+    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(args.port), "-k", str(args.k),
+                               "--speculation", "fixed"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -71,7 +75,7 @@ def main() -> int:
             return call
 
         def local(ids, n: int):
-            req = engine.submit(ids, n, SamplingParams(), 0, ignore_eos=True)
+            req = engine.submit(ids, n, SamplingParams(), args.k, ignore_eos=True)
             assert req.done.wait(60) and len(req.result().token_ids) == n
 
         rows = {
