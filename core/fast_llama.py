@@ -56,6 +56,7 @@ from specserve.core.kv_cache import SlotKVCache
 log = logging.getLogger("specserve.compile")
 
 LENGTH_BUCKET = 64  # the attended length is rounded up to a multiple of this
+KEY_CHUNK = 256  # the prepacked bfloat16 path sums attention over keys in chunks of this many (_attend_same_bits)
 
 
 def supports(model) -> bool:
@@ -604,19 +605,50 @@ class FastLlama:
         does not keep those bits: with it, some positions scored in a 2-, 5- or 9-wide pass
         differ from the same position scored alone (bench dtype's "packed, SDPA" row), and in
         bfloat16 that moved greedy outputs (all four speculative rows of the ngram bench's edit
-        prompts parted from plain decoding)."""
+        prompts parted from plain decoding).
+
+        A pass of one position per row (plain decoding) multiplies two query rows, the row twice:
+        oneDNN takes another kernel for a one-row bf16 product, whose bits differ from those of
+        two or more rows (which agree for any number of rows), and until stop 62 a position
+        decoded alone and the same position in a verify pass could part once the weighted sum ran
+        over about 1300 keys (found by a user trial: greedy speculative output parted from plain
+        decoding after about 900 tokens; `tests/test_runner.py`'s long prompts)."""
         if self.kv_heads != self.heads:
             keys = keys.repeat_interleave(self.heads // self.kv_heads, dim=1)
             values = values.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        one = q.shape[2] == 1
+        if one:
+            q, hidden = q.expand(-1, -1, 2, -1), hidden.expand(-1, -1, 2, -1)
         b, h, t, d = q.shape
         span = keys.shape[2]
         # packed first: a product over a strided slice of the cache took twice as long as copying
         # the slice and multiplying (at 32 sequences, 0.83 against 0.17 + 0.22 ms for the scores;
         # benchmarks/diagnostics/bf16_products.py)
-        k3, v3 = keys.reshape(b * h, span, d).contiguous(), values.reshape(b * h, span, d).contiguous()
+        k3 = keys.reshape(b * h, span, d).contiguous()
         scores = torch.bmm(q.reshape(b * h, t, d), k3.transpose(1, 2)).view(b, h, t, span)
         scores = scores.float().mul_(self.head_dim ** -0.5).masked_fill_(hidden, float("-inf"))
-        return torch.bmm(scores.softmax(-1).to(q.dtype).view(b * h, t, span), v3).view(b, h, t, d)
+        probs = scores.softmax(-1).to(q.dtype).view(b * h, t, span)
+        # the weighted sum in chunks of KEY_CHUNK keys from key 0 (the last padded with zeros), one product
+        # of KEY_CHUNK keys each, added in order in float32: oneDNN splits a longer sum over keys as the
+        # span (the batch's longest row) decides, and a row then came out with other bits beside a longer
+        # row, or in a pass whose span crossed into another bucket (until stop 62: greedy speculative
+        # output parted from plain decoding in long, batched requests); a chunk past a row's keys adds 0
+        # (a span of one chunk or less: one product over the span, unpadded, whose bits are those of the
+        # padded chunk: zeros at the end of a short sum change nothing; `tests/test_runner.py` checks both)
+        v3 = values.reshape(b * h, span, d)
+        if span <= KEY_CHUNK:
+            out = torch.bmm(probs, v3.contiguous()).view(b, h, t, d)
+            return out[:, :, :1] if one else out
+        n = -(-span // KEY_CHUNK)
+        if n * KEY_CHUNK != span:
+            probs, v3 = F.pad(probs, (0, n * KEY_CHUNK - span)), F.pad(v3, (0, 0, 0, n * KEY_CHUNK - span))
+        chunks = probs.view(b * h, t, n, KEY_CHUNK).transpose(1, 2).reshape(b * h * n, t, KEY_CHUNK)
+        parts = torch.bmm(chunks, v3.reshape(b * h * n, KEY_CHUNK, d)).view(b * h, n, t, d)
+        out = parts[:, 0].float()
+        for i in range(1, n):
+            out += parts[:, i]
+        out = out.to(q.dtype).view(b, h, t, d)
+        return out[:, :, :1] if one else out
 
     def _linear_for(self, rows: int) -> Callable:
         """linear(x, w) = x @ w.T for inputs of `rows` rows. Eager on a CPU: in the layout `GemmPlan`

@@ -269,6 +269,44 @@ def test_packed_bfloat16_products_give_the_same_bits_whatever_the_width():
             assert torch.equal(one, scored(width, packed=True)), f"prompt {n}, width {width}: different bits"
 
 
+def test_packed_bfloat16_positions_keep_their_bits_in_long_and_batched_passes():
+    """The same bits as decoded alone, in a wider pass and beside a longer sequence (whose span the
+    pass takes), past the attention's chunk of keys (KEY_CHUNK) and across it. Until stop 62 a
+    one-position pass took oneDNN's one-row kernel, and a long sum over keys was split as the span
+    decided: a position at 1300 keys scored in a 2- or 5-wide pass, and one at 900 beside a
+    sequence of 1400, came out with other bits, and greedy speculative output of long batched
+    requests parted from plain decoding (a user trial)."""
+    from specserve.core.fast_llama import KEY_CHUNK, FastLlama, cpu_has_bf16_gemm
+    from specserve.config import DEFAULT_MODEL_DIR
+    import transformers
+
+    if not cpu_has_bf16_gemm():
+        pytest.skip("this CPU has no bf16 GEMM in hardware (AMX or AVX512-BF16): nothing is packed")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR / "target"), dtype=torch.bfloat16)
+    fast = FastLlama(model, slots=2)
+    assert fast.packed is not None and KEY_CHUNK < 1300
+    g = torch.Generator().manual_seed(0)
+    for n, beside in ((1300, 0), (900, 1400), (KEY_CHUNK - 6, KEY_CHUNK + 44)):
+        prompt, cont = torch.randint(1, 8000, (n,), generator=g).tolist(), torch.randint(1, 8000, (10,), generator=g).tolist()
+        other = torch.randint(1, 8000, (beside + 10,), generator=g).tolist()
+
+        def scored(width: int) -> torch.Tensor:
+            fast.cache.reset(0), fast.cache.reset(1)
+            fast.forward([prompt], [0])
+            if beside:
+                fast.forward([other[:beside]], [1])
+            outs = [fast.forward([cont[i:i + width]] + ([other[beside + i:beside + i + width]] if beside else []),
+                                 [0, 1] if beside else [0])[0] for i in range(0, len(cont), width)]
+            return torch.cat(outs)
+
+        fast.cache.reset(1)
+        fast.cache.reset(0)
+        fast.forward([prompt], [0])
+        alone = torch.cat([fast.forward([[t]], [0])[0] for t in cont])
+        for width in (1, 2, 5):
+            assert torch.equal(alone, scored(width)), f"{n} keys beside {beside}, width {width}: different bits"
+
+
 def test_the_packed_paths_attention_equals_sdpa_within_rounding():
     """`FastLlama._attend_same_bits` (the prepacked bfloat16 path's attention, callable on any
     CPU) against SDPA, on a tiny grouped-query Llama in float32: batched ragged rows, gathered
