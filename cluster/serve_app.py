@@ -279,17 +279,25 @@ HEALTH_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413): a whole 128k-token context as JSON takes ~1 MiB
 
 
-def health_answer(states: list) -> tuple[int, dict]:
+def health_answer(states: list, pairs: int | None = None) -> tuple[int, dict]:
     """/health's answer from each pair's `health()` (or the exception its call raised): 503 only
     when no pair serves. Until stop 51 one pair down made it 503 for the whole service, though the
-    others served (Serve routes around a replica whose health check fails, and restarts it)."""
+    others served (Serve routes around a replica whose health check fails, and restarts it).
+    pairs: the pairs the app runs (`num_pairs`): a replica Serve has dropped (its process died, its
+    successor not yet up) answers nothing, and counts as down (until stop 62 /health said "ok"
+    while one of two pairs was down, for as long as its restart took)."""
     down = [s["reason"] if isinstance(s, dict) else f"a pair did not answer: {type(s).__name__}"
             for s in states if not isinstance(s, dict) or s["status"] == "dead"]
-    if len(down) == len(states):
+    total = max(len(states), pairs or 0)
+    missing = total - len(states)
+    down_n = len(down) + missing
+    if missing:
+        down.append(f"{missing} without a running replica (being replaced)")
+    if down_n == total:
         return 503, {"status": "unavailable", "reason": "; ".join(down) or "no pair is running"}
     reasons = sorted({s["reason"] for s in states if isinstance(s, dict) and s["status"] == "degraded"})
-    if down:
-        reasons.insert(0, f"{len(down)} of {len(states)} pairs down ({'; '.join(down)})")
+    if down_n:
+        reasons.insert(0, f"{down_n} of {total} pairs down ({'; '.join(down)})")
     return 200, {"status": "degraded", "reason": "; ".join(reasons)} if reasons else {"status": "ok"}
 
 
@@ -372,7 +380,7 @@ class OpenAIIngress:
         except Exception as e:
             return JSONResponse({"status": "unavailable", "reason": f"a pair did not answer: {type(e).__name__}"},
                                 status_code=503)
-        status, body = health_answer(states)
+        status, body = health_answer(states, self.cfg.num_pairs)
         return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")

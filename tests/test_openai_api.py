@@ -392,3 +392,10 @@ def test_health_is_503_only_when_no_pair_serves():
     assert "the engine loop has stopped" in body["reason"] and "TimeoutError" in body["reason"]
     assert health_answer([dead, RuntimeError()])[0] == 503
     assert health_answer([]) == (503, {"status": "unavailable", "reason": "no pair is running"})
+    # a pair whose replica Serve has dropped answers nothing: with num_pairs it counts as down (until stop 62
+    # /health said "ok" while one of two pairs was down, a user trial)
+    status, body = health_answer([ok], pairs=2)
+    assert status == 200 and body["status"] == "degraded" and body["reason"].startswith("1 of 2 pairs down")
+    assert "without a running replica" in body["reason"]
+    assert health_answer([], pairs=2)[0] == 503 and health_answer([dead], pairs=2)[0] == 503
+    assert health_answer([ok, ok], pairs=2) == (200, {"status": "ok"})
