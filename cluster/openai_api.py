@@ -46,7 +46,13 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number (an integer too large for a float is none: math.isfinite raised on it, a 500)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _shown(value, most: int = 200) -> str:
@@ -117,10 +123,10 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
                ("response_format", (None, {"type": "text"}), "text only: no JSON mode or schema"),
                # vLLM's extensions that would change the output (ignoring them would answer something else)
                ("min_tokens", (None, 0), "no minimum length"),
-               ("repetition_penalty", (None, 1, 1.0), "no penalties: they would change the target's distribution"),
-               ("length_penalty", (None, 1, 1.0), "no beam search"),
+               ("repetition_penalty", (None, 1), "no penalties: they would change the target's distribution"),
+               ("length_penalty", (None, 1), "no beam search"),
                ("use_beam_search", (None, False), "no beam search"),
-               ("min_p", (None, 0, 0.0), "no min-p sampling"),
+               ("min_p", (None, 0), "no min-p sampling"),
                ("bad_words", (None, []), "no banned words"),
                ("allowed_token_ids", (None, []), "no token restriction"),
                ("include_stop_str_in_output", (None, False), "a stop string is left out of the text"),
@@ -174,17 +180,19 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
                        "prompt")
     else:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
-    for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
-        value = body.get(name)  # 400, not a 200 that ignores it
-        if not any(_same(value, x) for x in inert):
-            accepted = " or ".join(json.dumps(x) for x in inert if x is not None)
-            raise _bad(f"'{name}' is not supported ({what}): it may be absent{' or ' + accepted if accepted else ''}, "
-                       f"got {_shown(value)}", name, "unsupported_value")
     # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
     # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
     if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
         raise _bad("'logprobs' is not supported (no log probabilities are returned: 0 asks for the chosen "
                    "tokens')", "logprobs", "unsupported_value")
+    for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
+        value = body.get(name)  # 400, not a 200 that ignores it (numbers are equal as numbers: 1 and 1.0)
+        if name == "logprobs" and not chat:  # (its 0 asks for something there: above)
+            inert = (None, False)
+        if not any(_same(value, x) for x in inert):
+            accepted = " or ".join(json.dumps(x) for x in inert if x is not None)
+            raise _bad(f"'{name}' is not supported ({what}): it may be absent{' or ' + accepted if accepted else ''}, "
+                       f"got {_shown(value)}", name, "unsupported_value")
     req = CompletionRequest(model=model, prompt=prompt)
     default = None if chat else 16
     # max_completion_tokens: OpenAI's newer name, which supersedes max_tokens (as in vLLM and SGLang: a client

@@ -292,7 +292,7 @@ def health_answer(states: list, pairs: int | None = None) -> tuple[int, dict]:
     missing = total - len(states)
     down_n = len(down) + missing
     if missing:
-        down.append(f"{missing} without a running replica (being replaced)")
+        down.append(f"{missing} without a running replica: starting, restarting or waiting for resources")
     if down_n == total:
         return 503, {"status": "unavailable", "reason": "; ".join(down) or "no pair is running"}
     reasons = sorted({s["reason"] for s in states if isinstance(s, dict) and s["status"] == "degraded"})

@@ -286,7 +286,8 @@ def test_packed_bfloat16_positions_keep_their_bits_in_long_and_batched_passes():
     fast = FastLlama(model, slots=2)
     assert fast.packed is not None and KEY_CHUNK < 1300
     g = torch.Generator().manual_seed(0)
-    for n, beside in ((1300, 0), (900, 1400), (KEY_CHUNK - 6, KEY_CHUNK + 44)):
+    # (100 beside 300: alone, one unpadded product over 128 keys; beside, the first of two padded chunks)
+    for n, beside in ((1300, 0), (900, 1400), (KEY_CHUNK - 6, KEY_CHUNK + 44), (100, 300)):
         prompt, cont = torch.randint(1, 8000, (n,), generator=g).tolist(), torch.randint(1, 8000, (10,), generator=g).tolist()
         other = torch.randint(1, 8000, (beside + 10,), generator=g).tolist()
 
@@ -307,11 +308,15 @@ def test_packed_bfloat16_positions_keep_their_bits_in_long_and_batched_passes():
             assert torch.equal(alone, scored(width)), f"{n} keys beside {beside}, width {width}: different bits"
 
 
-def test_the_packed_paths_attention_equals_sdpa_within_rounding():
+@pytest.mark.parametrize("key_chunk", [256, 16])
+def test_the_packed_paths_attention_equals_sdpa_within_rounding(key_chunk, monkeypatch):
     """`FastLlama._attend_same_bits` (the prepacked bfloat16 path's attention, callable on any
     CPU) against SDPA, on a tiny grouped-query Llama in float32: batched ragged rows, gathered
-    (out of order) slots, and a branch row reading its parent's prefix."""
+    (out of order) slots, and a branch row reading its parent's prefix; its keys summed in one
+    product, and (KEY_CHUNK 16) in chunks, the last padded."""
+    from specserve.core import fast_llama
     from specserve.core.fast_llama import FastLlama
+    monkeypatch.setattr(fast_llama, "KEY_CHUNK", key_chunk)
     model = tiny_model("llama", 64, seed=6, hidden=64)  # 4 query heads over 2 key/value heads
     seqs = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 7, 40)]
     outs = {}

@@ -13,6 +13,7 @@ milliseconds of:
     .venv/bin/python benchmarks/diagnostics/http_request_cost.py [--port 8476] [--repeats 3] [--requests 20] [-k 0]
 """
 import argparse
+import contextlib
 import signal
 import statistics
 import subprocess
@@ -48,7 +49,7 @@ def main() -> int:
     from specserve.core.runner import load_tokenizer
     from specserve.core.sampling import SamplingParams
 
-    cfg = SpecServeConfig(k=args.k, max_num_seqs=1, speculation="fixed")
+    cfg = SpecServeConfig(k=args.k, speculation="fixed")
     tokenizer = load_tokenizer(cfg.target)
     texts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):", "class Stack:\n    def __init__(self):",
              "for i in range(10):"]
@@ -56,6 +57,7 @@ def main() -> int:
     server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(args.port), "-k", str(args.k),
                                "--speculation", "fixed"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stack = contextlib.ExitStack()
     try:
         lines = []
         while not any("curl " in line for line in lines):
@@ -65,6 +67,7 @@ def main() -> int:
                 return 1
         engine = build_engine(cfg)
         engine.start()
+        stack.callback(engine.stop)
         client = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=60)
 
         def complete(n: int, stream: bool = False):
@@ -103,9 +106,9 @@ def main() -> int:
             added = statistics.median(runs[f"{n} token{'s' if n > 1 else ''}: served"]) - \
                 statistics.median(runs[f"{n} token{'s' if n > 1 else ''}: in process"])
             print(f"  the HTTP path adds {added:.1f} ms to a request of {n} token{'s' if n > 1 else ''}")
-        engine.stop()
         return 0
     finally:
+        stack.close()
         server.send_signal(signal.SIGINT)
         try:
             server.wait(60)
