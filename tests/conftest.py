@@ -34,7 +34,13 @@ def ray_session():
     import ray
 
     from specserve.cluster.pair import start_ray
-    start_ray(num_cpus=8, num_gpus=4, include_dashboard=False)
+    try:
+        start_ray(num_cpus=8, num_gpus=4, include_dashboard=False)
+    except Exception as e:  # Ray waits 30 s (hard-coded) for its raylet; two workers starting theirs at once on
+        if "timed out during startup" not in str(e):  # 2 busy cores missed it once in stop 62's CI, and every
+            raise                                      # test of that worker that needs Ray errored: once more
+        ray.shutdown()
+        start_ray(num_cpus=8, num_gpus=4, include_dashboard=False)
     yield ray
     ray.shutdown()
 
