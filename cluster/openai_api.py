@@ -112,8 +112,7 @@ class CompletionRequest:
 
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing
-UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned"),  # (0: see parse_completion)
-               ("top_logprobs", (None, 0), "no log probabilities are returned"),
+UNSUPPORTED = (("top_logprobs", (None, 0), "no log probabilities are returned"),
                ("echo", (None, False), "the prompt is not echoed"),
                ("best_of", (None, 1), "only one completion is made"),
                ("suffix", (None, ""), "no insertion"),
@@ -138,8 +137,12 @@ UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned
                ("guided_choice", (None,), "no guided decoding"),
                ("guided_grammar", (None,), "no guided decoding"),
                ("structured_outputs", (None,), "no guided decoding"))
+# a completion's logprobs is a count, and 0 asks for the chosen tokens' own (see parse_completion); chat's is a
+# flag, which 0 leaves off
+COMPLETION_UNSUPPORTED = (("logprobs", (None, False), "no log probabilities are returned"),)
 # and chat fields: tools and structured output (what does not ask for them is accepted)
-CHAT_UNSUPPORTED = (("tools", (None, []), "no tool calls"),
+CHAT_UNSUPPORTED = (("logprobs", (None, False, 0), "no log probabilities are returned"),
+                    ("tools", (None, []), "no tool calls"),
                     ("functions", (None, []), "no function calls"),
                     ("tool_choice", (None, "none", "auto"), "no tool calls"),
                     ("function_call", (None, "none", "auto"), "no function calls"),
@@ -185,10 +188,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
         raise _bad("'logprobs' is not supported (no log probabilities are returned: 0 asks for the chosen "
                    "tokens')", "logprobs", "unsupported_value")
-    for name, inert, what in UNSUPPORTED + (CHAT_UNSUPPORTED if chat else ()):  # asked for, not done: a clear
-        value = body.get(name)  # 400, not a 200 that ignores it (numbers are equal as numbers: 1 and 1.0)
-        if name == "logprobs" and not chat:  # (its 0 asks for something there: above)
-            inert = (None, False)
+    for name, inert, what in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED) + UNSUPPORTED:  # asked for,
+        value = body.get(name)  # not done: a clear 400, not a 200 that ignores it (numbers equal as numbers: 1, 1.0)
         if not any(_same(value, x) for x in inert):
             accepted = " or ".join(json.dumps(x) for x in inert if x is not None)
             raise _bad(f"'{name}' is not supported ({what}): it may be absent{' or ' + accepted if accepted else ''}, "

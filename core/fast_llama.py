@@ -637,17 +637,18 @@ class FastLlama:
         # padded chunk: zeros at the end of a short sum change nothing; `tests/test_runner.py` checks both)
         v3 = values.reshape(b * h, span, d)
         if span <= KEY_CHUNK:
-            out = torch.bmm(probs, v3.contiguous()).view(b, h, t, d)
-            return out[:, :, :1] if one else out
-        n = -(-span // KEY_CHUNK)
-        if n * KEY_CHUNK != span:
-            probs, v3 = F.pad(probs, (0, n * KEY_CHUNK - span)), F.pad(v3, (0, 0, 0, n * KEY_CHUNK - span))
-        chunks = probs.view(b * h, t, n, KEY_CHUNK).transpose(1, 2).reshape(b * h * n, t, KEY_CHUNK)
-        parts = torch.bmm(chunks, v3.reshape(b * h * n, KEY_CHUNK, d)).view(b * h, n, t, d)
-        out = parts[:, 0].float()
-        for i in range(1, n):
-            out += parts[:, i]
-        out = out.to(q.dtype).view(b, h, t, d)
+            out = torch.bmm(probs, v3.contiguous())
+        else:
+            n = -(-span // KEY_CHUNK)
+            if n * KEY_CHUNK != span:
+                probs, v3 = F.pad(probs, (0, n * KEY_CHUNK - span)), F.pad(v3, (0, 0, 0, n * KEY_CHUNK - span))
+            chunks = probs.view(b * h, t, n, KEY_CHUNK).transpose(1, 2).reshape(b * h * n, t, KEY_CHUNK)
+            parts = torch.bmm(chunks, v3.reshape(b * h * n, KEY_CHUNK, d)).view(b * h, n, t, d)
+            out = parts[:, 0].float()
+            for i in range(1, n):
+                out += parts[:, i]
+            out = out.to(q.dtype)
+        out = out.view(b, h, t, d)
         return out[:, :, :1] if one else out
 
     def _linear_for(self, rows: int) -> Callable:

@@ -169,6 +169,14 @@ def use_compile_cache() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
+def read_config(path: str):
+    """A model folder's transformers config; ModelLoadError where it cannot be read."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types here
+        raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
+
+
 def context_length(config) -> int:
     """A model's context in tokens, from its transformers config."""
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 1 << 30))
@@ -331,10 +339,7 @@ class ModelRunner:
         config, packs = None, True
         if dtype == "auto" and device.type == "cpu":  # bf16 only where it packs
             from specserve.core.fast_llama import packs_bf16
-            try:
-                config = AutoConfig.from_pretrained(path, local_files_only=True)
-            except Exception as e:  # transformers raises many types here
-                raise ModelLoadError(f"cannot read a model config from {path!r}: {e}") from None
+            config = read_config(path)
             packs = packs_bf16(config) and not resolve_compile(compile, device)
         bf16_head = auto_bf16_head(dtype, device, role, packs)
         dtype = resolve_dtype(dtype, device, role, packs=packs)

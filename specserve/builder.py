@@ -22,7 +22,7 @@ from typing import Callable
 
 from specserve.config import SpecServeConfig
 from specserve.core.draft_vocab import resolve as draft_vocab_ids
-from specserve.core.runner import ModelRunner, check_weights, context_length, load_tokenizer, same_tokenizer
+from specserve.core.runner import ModelRunner, check_weights, context_length, load_tokenizer, read_config, same_tokenizer
 
 
 def check_pair(cfg: SpecServeConfig):
@@ -44,13 +44,10 @@ def check_pair(cfg: SpecServeConfig):
 
 def check_model_len(cfg: SpecServeConfig) -> None:
     """Refuses a `max_model_len` beyond the context of the models that will run (as vLLM does)."""
-    from transformers import AutoConfig
-
     models = {"target": cfg.target}
     if cfg.drafter is not None and cfg.k:
         models["drafter"] = cfg.drafter
-    contexts = {name: context_length(AutoConfig.from_pretrained(path, local_files_only=True))
-                for name, path in models.items()}
+    contexts = {name: context_length(read_config(path)) for name, path in models.items()}
     most = min(contexts.values())
     if cfg.max_model_len > most:
         told = ", ".join(f"the {name}'s {n}" for name, n in contexts.items())
