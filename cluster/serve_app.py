@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -368,13 +369,43 @@ class OpenAIIngress:
         self.api_key = self.cfg.resolved_api_key()
         if self.api_key is None and os.environ.get("SPECSERVE_API_KEY") is not None:  # (under `serve run`, KubeRay)
             log.warning("SPECSERVE_API_KEY is set but blank: /v1/* requires no key")
+        self.live: set = set()  # the pair streams of the completions in flight here (see `drain`)
+        self.draining = False  # set by `drain`: completions are refused, /health says so
+        self.cut = False  # set by `cut_off`: the completions still in flight end with an error
+
+    # ------------------------------------------------------------------ shutdown (`specserve serve`)
+    def drain(self) -> int:
+        """Stops taking completions (a 503 `server_shutting_down`; /health answers 503 "draining",
+        so a load balancer routes elsewhere) and returns how many are still in flight here, their
+        answers or streams not yet ended. `specserve serve` calls it on every ingress replica at
+        Ctrl-C or SIGTERM, until none is in flight or its --shutdown-timeout passes: until stop 63
+        Serve's shutdown cut the streams off mid-token, with no error event."""
+        self.draining = True
+        return len(self.live)
+
+    def cut_off(self) -> int:
+        """Ends the completions still in flight: each stream with an error event, each answer not
+        yet sent as a 503, both `server_shutting_down` (their pairs free the slots). Returns how
+        many it ended."""
+        self.draining = self.cut = True
+        live = list(self.live)
+        for stream in live:
+            stream.cancel()
+        return len(live)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send the request to another server",
+                           code="server_shutting_down")
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self):
         """200 ok; 200 degraded (with the reasons) while a pair serves target-only, or some pairs
         are down and others serve; 503 when none serves, or the pairs do not answer in time. Open
-        to probes (no API key)."""
+        to probes (no API key); 503 "draining" once a shutdown has begun (`drain`)."""
+        if self.draining:
+            return JSONResponse({"status": "draining", "reason": "the server is shutting down"}, status_code=503)
         try:
             states = await each_pair(self.pair, "health", HEALTH_TIMEOUT_S)
         except Exception as e:
@@ -409,6 +440,7 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         with self._counting_failures():
             self._authorize(request)
+            self._refuse_if_draining()
             body = await self._json(request)
             self._check_model(body)
             req = parse_completion(body, self.cfg.model)
@@ -418,6 +450,7 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         with self._counting_failures():
             self._authorize(request)
+            self._refuse_if_draining()
             body = await self._json(request)
             self._check_model(body)
             prompt = chat_prompt(body, self.tokenizer)
@@ -501,37 +534,49 @@ class OpenAIIngress:
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}
+        self._refuse_if_draining()  # (again: a shutdown may have begun while the body was read or tokenized)
         stream = self.pair.options(stream=True).generate.remote(upstream)
-        cid, timer = completion_id(chat), self.metrics.timer()
-        detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
+        self.live.add(stream)  # until its answer, or its stream's last event, is sent (`drain`)
+        streamed = False
         try:
-            await self._taken(stream)
-            first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
-        except APIError:
-            raise
-        except Exception as e:
-            raise _pair_failed(e) from None
-        except BaseException:  # the client went away before the first message (for a request that is not
-            stream.cancel()    # streamed, the whole generation): its slots are freed, not kept to its end
-            raise
-        if "error" in first:
-            self._raise_upstream(first["error"], chat)
-        if req.stream:
-            return StreamingResponse(self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer),
-                                     media_type="text/event-stream")
-        final = None
-        try:
-            async for item in self._items(first, stream):
-                if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
-                    final = item
-                    timer.rounds(item.get("rounds", []))
-                if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
-                    detok.add(item["token_ids"])
+            cid, timer = completion_id(chat), self.metrics.timer()
+            detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
+            try:
+                await self._taken(stream)
+                first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
+            except APIError:
+                raise
+            except Exception as e:
+                raise self._pair_failed(e) from None
+            except BaseException as e:  # the client went away before the first message (for a request that is
+                stream.cancel()         # not streamed, the whole generation): its slots are freed, not kept to its end
+                cut = self._cut_error(e)
+                if cut:
+                    raise cut from None
+                raise
+            if "error" in first:
+                self._raise_upstream(first["error"], chat)
+            if req.stream:
+                events = self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer)
+                weakref.finalize(events, self.live.discard, stream)  # (a stream Starlette never began: no finally)
+                streamed = True
+                return StreamingResponse(events, media_type="text/event-stream")
+            final = None
+            try:
+                async for item in self._items(first, stream):
+                    if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
+                        final = item
+                        timer.rounds(item.get("rounds", []))
+                    if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
+                        detok.add(item["token_ids"])
+            finally:
+                stream.cancel()  # an error ends the sequence early: free its slots
+            if not detok.stopped:
+                detok.flush()
+            return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
         finally:
-            stream.cancel()  # an error ends the sequence early: free its slots
-        if not detok.stopped:
-            detok.flush()
-        return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
+            if not streamed:
+                self.live.discard(stream)
 
     async def _taken(self, stream) -> None:
         """Waits until Serve has given the request to a pair replica, at most `pair_wait_s`; then a
@@ -557,8 +602,7 @@ class OpenAIIngress:
                            "down: see /health); retry", code="pair_unavailable", headers={"Retry-After": "5"})
         task.result()  # (Serve's own errors: handled as the first message's)
 
-    @staticmethod
-    async def _items(first, stream):
+    async def _items(self, first, stream):
         yield first
         try:
             async for item in stream:
@@ -568,7 +612,24 @@ class OpenAIIngress:
         except APIError:
             raise
         except Exception as e:  # the pair's replica died or went away mid-request (Ray's errors)
-            raise _pair_failed(e) from None
+            raise self._pair_failed(e) from None
+        except asyncio.CancelledError as e:
+            cut = self._cut_error(e)
+            if cut:
+                raise cut from None
+            raise
+
+    def _pair_failed(self, error: Exception) -> APIError:
+        return self._cut_error(error) or _pair_failed(error)
+
+    def _cut_error(self, error: BaseException) -> APIError | None:
+        """The 503 of a completion that `cut_off` ended, its pair stream cancelled (Ray's
+        TaskCancelledError; asyncio's CancelledError where no pair had taken it yet); None for any
+        other failure, or the client's own going away (this task cancelled)."""
+        if not self.cut or (isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling()):
+            return None
+        return APIError(503, "the server shut down before this request finished; retry it on another server",
+                        code="server_shutting_down")
 
     @staticmethod
     def _raise_upstream(error: dict, chat: bool):
@@ -642,10 +703,14 @@ class OpenAIIngress:
         except BaseException as e:  # the client disconnected mid-stream
             if not answered:
                 self._count_failure(e)
+            self.live.discard(stream)
             raise
         finally:
             stream.cancel()
-        yield "data: [DONE]\n\n"
+        try:
+            yield "data: [DONE]\n\n"
+        finally:
+            self.live.discard(stream)
 
 
 def build_app(args: dict | None = None):

@@ -7,6 +7,7 @@ import errno
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -36,6 +37,17 @@ def _positive_int(name):
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
         return v
     return parse
+
+
+def _seconds(s):
+    """--shutdown-timeout: seconds, finite and >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {s!r}")
+    return v
 
 
 def resolve_pair(target: str | None, drafter: str | None, no_speculation: bool) -> tuple[str, str | None]:
@@ -442,8 +454,8 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda signum, _: stop.append(signum))
     while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
         time.sleep(0.5)
-    print("shutting down (Ctrl-C again to exit at once)", flush=True)
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    drain(args.shutdown_timeout)
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
         t0 = time.monotonic()
         if not _bounded(step, SHUTDOWN_STEP_S):
@@ -459,6 +471,49 @@ def cmd_serve(args) -> int:
 
 
 SHUTDOWN_STEP_S = 60.0
+DRAIN_POLL_S = 0.25
+CUT_OFF_WAIT_S = 5.0  # for the ends of the completions cut off (their error events) to be sent
+
+
+def drain(timeout_s: float) -> None:
+    """`serve`'s shutdown, before Serve's: every ingress replica stops taking completions (503
+    `server_shutting_down`; /health 503 "draining"), and the ones in flight have up to timeout_s
+    to finish; those still running then end with an error (`OpenAIIngress.drain`, `cut_off`)."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_app_handle("specserve")
+    except Exception as e:  # (the app gone already: nothing to drain)
+        print(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})", flush=True)
+        return
+
+    def in_flight(method: str) -> int:
+        answers = ingress.broadcast(method).results(timeout_s=10.0, return_exceptions=True)
+        return sum(n for n in answers if isinstance(n, int))
+
+    t0 = time.monotonic()
+    try:
+        n = in_flight("drain")
+        if n and timeout_s > 0:
+            print(f"shutting down: {n} request(s) in flight; new ones get a 503; waiting up to {timeout_s:g} s "
+                  "for them to finish (--shutdown-timeout; Ctrl-C again to exit at once)", flush=True)
+        else:
+            print("shutting down (Ctrl-C again to exit at once)", flush=True)
+        while n and time.monotonic() - t0 < timeout_s:
+            time.sleep(DRAIN_POLL_S)
+            n = in_flight("drain")
+        if n:
+            n = in_flight("cut_off")
+            print(f"{n} request(s) still in flight after {timeout_s:g} s end with an error "
+                  "(server_shutting_down)", flush=True)
+            t1 = time.monotonic()
+            while n and time.monotonic() - t1 < CUT_OFF_WAIT_S:
+                time.sleep(DRAIN_POLL_S)
+                n = in_flight("drain")
+        elif time.monotonic() - t0 > DRAIN_POLL_S:
+            print(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
+    except Exception as e:  # (an ingress that does not answer: Serve's shutdown follows regardless)
+        print(f"could not drain the requests in flight: {last_line(e, type(e).__name__)}", file=sys.stderr, flush=True)
 DEFAULT_HOST, DEFAULT_PORT = "0.0.0.0", 8000
 
 
@@ -546,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: the config's api_key, else "
                         "$SPECSERVE_API_KEY)")
+    s.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=_seconds, default=30.0, metavar="S",
+                   help="at Ctrl-C or SIGTERM, new requests get a 503 and the ones in flight have up to S seconds "
+                        "to finish; then those still running end with an error (default: 30; 0: at once)")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("make-tiny-pair", help="write a tiny random target/drafter pair (for trying things out)")

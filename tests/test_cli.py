@@ -81,24 +81,10 @@ def test_error_through_the_real_entry_point(tiny_pair_dir):
 
 def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
     import signal
-    import socket
-    import time
 
     import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
-         tiny_pair_dir["drafter"], "--port", str(port), "--host", "127.0.0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})  # its own Ray, not the tests'
+    proc, port, lines = _serve_process(tiny_pair_dir)
     try:
-        lines = []
-        deadline = time.monotonic() + 240
-        while not any("curl" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
         assert any(f"http://localhost:{port}" in line for line in lines)
         # Serve's note that our host and port "will not be applied", which they are (logged until stop 62)
         assert not any("will not be applied" in line for line in lines), "".join(lines)
@@ -112,6 +98,141 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             proc.kill()
             raise AssertionError("no exit 240 s after Ctrl-C; its output:\n" + "".join(lines) + proc.stdout.read())
         assert code == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _serve_process(pair, *flags):
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "serve", "--target", pair["target"], "--drafter", pair["drafter"],
+         "--port", str(port), "--host", "127.0.0.1", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})  # its own Ray, not the tests'
+    lines = []
+    deadline = time.monotonic() + 240
+    while not any("curl" in line for line in lines):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError("".join(lines))
+        lines.append(proc.stdout.readline())
+    return proc, port, lines
+
+
+def _stream_completion(port, max_tokens):
+    """A streamed completion read to its end: (its HTTP status, its events' JSON (or the error
+    body of a status other than 200), whether [DONE] came)."""
+    import httpx
+    events, done = [], False
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                      json={"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        if r.status_code != 200:
+            return r.status_code, [json.loads(r.read())], False
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return 200, events, done
+
+
+def _all_in_the_pair(port, threads, n):
+    """Waits until the pair holds the n requests: one running, the rest queued (max_num_seqs 1)."""
+    import time
+
+    import httpx
+    while f"specserve_num_requests_waiting {n - 1}.0" not in httpx.get(f"http://127.0.0.1:{port}/metrics",
+                                                                       timeout=30).text:
+        assert all(t.is_alive() for t in threads), "a request finished before the Ctrl-C"
+        time.sleep(0.05)
+
+
+def _until(proc, lines, text, timeout_s=60):
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not any(text in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+
+
+def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
+    """At Ctrl-C the streams in flight run to their end, a new request gets the API's 503
+    (server_shutting_down) and /health 503 "draining"; then the command exits 0. Until stop 63
+    Serve's shutdown cut the streams off mid-token, with no error event."""
+    import signal
+    import threading
+
+    import httpx
+    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "200")
+    try:
+        results = [None] * 6  # one running, the rest queued behind it: seconds of work after the Ctrl-C
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_completion(port, 480)))
+                   for i in range(len(results))]
+        for t in threads:
+            t.start()
+        _all_in_the_pair(port, threads, len(results))
+        proc.send_signal(signal.SIGINT)
+        _until(proc, lines, "request(s) in flight")
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                             json={"model": "specserve-demo", "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert any(t.is_alive() for t in threads), "every request finished before the checks: they prove nothing"
+        for t in threads:
+            t.join(timeout=240)
+        for status, events, done in results:
+            assert status == 200 and done and events[-1]["usage"]["completion_tokens"] == 480
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=240) == 0
+        rest = proc.stdout.read()
+        assert "the requests in flight finished in" in rest, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_ends_the_requests_still_running_at_its_shutdown_timeout(tiny_pair_dir):
+    """--shutdown-timeout 0: the streams in flight end at once with an error event
+    (server_shutting_down) and [DONE], not cut off mid-token."""
+    import signal
+    import threading
+
+    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0")
+    try:
+        results = [None] * 4
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_completion(port, 480)))
+                   for i in range(len(results))]
+        for t in threads:
+            t.start()
+        _all_in_the_pair(port, threads, len(results))
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(timeout=240)
+        assert proc.wait(timeout=240) == 0
+        said = "".join(lines) + proc.stdout.read()
+        assert "end with an error (server_shutting_down)" in said, said
+        # a stream begun ends with its last chunk or an error event, then [DONE]; a request queued,
+        # not yet begun, gets the API's 503
+        cut = 0
+        for status, events, done in results:
+            assert status in (200, 503), results
+            last = events[-1]
+            if status == 503:
+                assert last["error"]["code"] == "server_shutting_down"
+            else:
+                assert done, events
+                assert ("error" in last and last["error"]["code"] == "server_shutting_down"
+                        or last["usage"]["completion_tokens"] == 480), events
+            cut += "error" in last
+        assert cut >= 2, results  # (the one running at the Ctrl-C may have finished; the last queued cannot)
     finally:
         if proc.poll() is None:
             proc.kill()

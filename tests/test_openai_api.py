@@ -363,7 +363,8 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
 
     from specserve.cluster.serve_app import OpenAIIngress
 
-    items = OpenAIIngress.func_or_class._items
+    ingress = object.__new__(OpenAIIngress.func_or_class)  # (its state only: no tokenizer, no pairs)
+    ingress.cut = False
 
     async def dying():
         yield {"token_ids": [1]}
@@ -372,7 +373,7 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
     async def read():
         got = []
         with pytest.raises(APIError) as e:
-            async for item in items({"token_ids": [0]}, dying()):
+            async for item in ingress._items({"token_ids": [0]}, dying()):
                 got.append(item)
         return got, e.value
 
@@ -380,6 +381,9 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
     assert got == [{"token_ids": [0]}, {"token_ids": [1]}]
     assert error.status == 503 and error.code == "pair_unavailable" and error.headers == {"Retry-After": "1"}
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+    ingress.cut = True  # a shutdown's cut_off cancelled the pair's stream: the client is told so
+    got, error = asyncio.run(read())
+    assert error.status == 503 and error.code == "server_shutting_down" and not error.headers
 
 
 def test_a_method_with_speculation_off_asks_for_no_proposer():
