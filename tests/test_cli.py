@@ -143,15 +143,24 @@ def _stream_completion(port, max_tokens):
     return 200, events, done
 
 
-def _all_in_the_pair(port, threads, n):
-    """Waits until the pair holds the n requests: one running, the rest queued (max_num_seqs 1)."""
+def _streams_in_the_pair(port, n, max_tokens=480):
+    """Starts n streamed completions, each read to its end on a thread of its own (its result,
+    `_stream_completion`'s, lands in the list returned), and returns (threads, results) once the
+    pair holds them all: one running, the rest queued (max_num_seqs 1)."""
+    import threading
     import time
 
     import httpx
+    results = [None] * n
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_completion(port, max_tokens)))
+               for i in range(n)]
+    for t in threads:
+        t.start()
     while f"specserve_num_requests_waiting {n - 1}.0" not in httpx.get(f"http://127.0.0.1:{port}/metrics",
                                                                        timeout=30).text:
         assert all(t.is_alive() for t in threads), "a request finished before the Ctrl-C"
         time.sleep(0.05)
+    return threads, results
 
 
 def _until(proc, lines, text, timeout_s=60):
@@ -167,17 +176,11 @@ def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
     (server_shutting_down) and /health 503 "draining"; then the command exits 0. Until stop 63
     Serve's shutdown cut the streams off mid-token, with no error event."""
     import signal
-    import threading
 
     import httpx
     proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "200")
     try:
-        results = [None] * 6  # one running, the rest queued behind it: seconds of work after the Ctrl-C
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_completion(port, 480)))
-                   for i in range(len(results))]
-        for t in threads:
-            t.start()
-        _all_in_the_pair(port, threads, len(results))
+        threads, results = _streams_in_the_pair(port, 6)  # one running, the rest queued behind it: seconds of work after the Ctrl-C
         proc.send_signal(signal.SIGINT)
         _until(proc, lines, "request(s) in flight")
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
@@ -203,16 +206,10 @@ def test_serve_ends_the_requests_still_running_at_its_shutdown_timeout(tiny_pair
     """--shutdown-timeout 0: the streams in flight end at once with an error event
     (server_shutting_down) and [DONE], not cut off mid-token."""
     import signal
-    import threading
 
     proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0")
     try:
-        results = [None] * 4
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_completion(port, 480)))
-                   for i in range(len(results))]
-        for t in threads:
-            t.start()
-        _all_in_the_pair(port, threads, len(results))
+        threads, results = _streams_in_the_pair(port, 4)
         proc.send_signal(signal.SIGINT)
         for t in threads:
             t.join(timeout=240)
