@@ -57,6 +57,13 @@ class Metrics:
         self.unprepared = Gauge("specserve_spec_decode_unprepared_rounds", "Drafting rounds whose call asked the "
                                 "pipelining drafter to prepare nothing (the next call was unlikely to find every "
                                 "draft ready), summed over pairs since each started", registry=r)
+        self.degraded = Gauge("specserve_pairs_degraded", "Pairs serving without their drafter now (its sequences on "
+                              "the n-gram proposer, or target-only), until it is back", registry=r)
+        self.drafter_failures = Gauge("specserve_drafter_failures", "Times a pair's drafter failed (an RPC error, a "
+                                      "missed deadline, its actor gone or silent) and its sequences went to the "
+                                      "fallback, summed over pairs since each started", registry=r)
+        self.drafter_recoveries = Gauge("specserve_drafter_recoveries", "Times a pair's drafter came back and "
+                                        "speculation resumed, summed over pairs since each started", registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("specserve_inter_token_latency_seconds", "Time between output tokens", registry=r,
@@ -98,6 +105,9 @@ class Metrics:
         self.guard_holds.set(sum(x.get("guard_holds", 0) for x in loads))
         self.guard_keepings.set(sum(x.get("guard_keepings", 0) for x in loads))
         self.unprepared.set(sum(x.get("unprepared_rounds", 0) for x in loads))
+        self.degraded.set(sum(x.get("degraded", 0) for x in loads))
+        self.drafter_failures.set(sum(x.get("drafter_failures", 0) for x in loads))
+        self.drafter_recoveries.set(sum(x.get("drafter_recoveries", 0) for x in loads))
         return generate_latest(self.registry)
 
 

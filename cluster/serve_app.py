@@ -202,7 +202,9 @@ class PairReplica:
                 self.engine.cancel(request["id"])
 
     def load(self) -> dict:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting, **self.engine.policy.gauges()}
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting, **self.engine.policy.gauges(),
+                "degraded": int(self.engine.degraded is not None), "drafter_failures": self.engine.proposer_failures,
+                "drafter_recoveries": self.engine.proposer_recoveries}
 
     async def health(self) -> dict:
         """The engine's state, and, while it drafts through its drafter actor without trouble, a

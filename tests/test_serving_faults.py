@@ -4,6 +4,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,12 @@ def test_drafter_killed_mid_stream(base, tiny_pair_dir):
             time.sleep(0.1)
         again = pair.drafter_info.remote().result()
         assert again["pid"] not in (pid, info["pid"]) and again["reconnects"] == info["reconnects"] + 1
+        # both faults, and both recoveries, are in /metrics for an operator's alert (since stop 63)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        gauge = {name: float(re.search(rf"^specserve_{name} (\S+)$", metrics, re.M).group(1))
+                 for name in ("drafter_failures", "drafter_recoveries", "pairs_degraded")}
+        assert gauge["drafter_failures"] >= 2 and gauge["drafter_recoveries"] == gauge["drafter_failures"], gauge
+        assert gauge["pairs_degraded"] == 0, gauge
         after = client.completions.create(prompt=prompts[0], **body)
         assert after.choices[0].text == plain[0]
         spec = after.model_extra["speculative"]  # speculation resumed, with the drafter (random tiny models:

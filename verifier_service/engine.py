@@ -304,6 +304,7 @@ class SpeculativeEngine:
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
         self._moved: tuple[str, str] | None = None  # (a drafter address found stale from outside the loop, why)
         self.proposer_failures = 0
+        self.proposer_recoveries = 0  # (these two and `degraded`: /metrics, through the pair's load())
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
         self._early_got: dict[str, Draft] | None = None  # their drafts, once received
@@ -626,6 +627,7 @@ class SpeculativeEngine:
             return
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
+        self.proposer_recoveries += 1
         self._early = self._early_got = None
         for req in self.running:
             if req.method == "draft_model" and req.via != "draft_model" and not req.resting:
