@@ -203,8 +203,8 @@ class PairReplica:
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting, **self.engine.policy.gauges(),
-                "degraded": int(self.engine.degraded is not None), "drafter_failures": self.engine.proposer_failures,
-                "drafter_recoveries": self.engine.proposer_recoveries}
+                "degraded": int(self.engine.degraded is not None), "drafter_failures": self.engine.degradations,
+                "drafter_recoveries": self.engine.recoveries}
 
     async def health(self) -> dict:
         """The engine's state, and, while it drafts through its drafter actor without trouble, a
@@ -376,16 +376,19 @@ class OpenAIIngress:
         self.cut = False  # set by `cut_off`: the completions still in flight end with an error
 
     # ------------------------------------------------------------------ shutdown (`specserve serve`)
-    def drain(self) -> int:
+    async def drain(self) -> int:
         """Stops taking completions (a 503 `server_shutting_down`; /health answers 503 "draining",
         so a load balancer routes elsewhere) and returns how many are still in flight here, their
-        answers or streams not yet ended. `specserve serve` calls it on every ingress replica at
-        Ctrl-C or SIGTERM, until none is in flight or its --shutdown-timeout passes: until stop 63
-        Serve's shutdown cut the streams off mid-token, with no error event."""
+        answers or streams not yet wholly handed to Serve. `specserve serve` calls it on every
+        ingress replica at Ctrl-C or SIGTERM, until none is in flight or its --shutdown-timeout
+        passes: until stop 63 Serve's shutdown cut the streams off mid-token, with no error event.
+        (async: it runs on the replica's event loop, as the routes do, so a completion's check of
+        `draining` and its entry in `live` come with nothing of this between them; Serve runs a
+        plain method on a thread of its own.)"""
         self.draining = True
         return len(self.live)
 
-    def cut_off(self) -> int:
+    async def cut_off(self) -> int:
         """Ends the completions still in flight: each stream with an error event, each answer not
         yet sent as a 503, both `server_shutting_down` (their pairs free the slots). Returns how
         many it ended."""
@@ -538,7 +541,7 @@ class OpenAIIngress:
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}
         self._refuse_if_draining()  # (again: a shutdown may have begun while the body was read or tokenized)
         stream = self.pair.options(stream=True).generate.remote(upstream)
-        self.live.add(stream)  # until its answer, or its stream's last event, is sent (`drain`)
+        self.live.add(stream)  # until its answer, or its stream's last event, is handed to Serve (`drain`)
         streamed = False
         try:
             cid, timer = completion_id(chat), self.metrics.timer()

@@ -454,8 +454,11 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda signum, _: stop.append(signum))
     while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
         time.sleep(0.5)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    drain(args.shutdown_timeout)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C, or SIGTERM, exits at once
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    limit = args.shutdown_timeout + CUT_OFF_WAIT_S + 3 * DRAIN_CALL_S
+    if not _bounded(lambda: drain(args.shutdown_timeout), limit):  # (Serve's controller not answering, say)
+        print(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr, flush=True)
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
         t0 = time.monotonic()
         if not _bounded(step, SHUTDOWN_STEP_S):
@@ -472,13 +475,16 @@ def cmd_serve(args) -> int:
 
 SHUTDOWN_STEP_S = 60.0
 DRAIN_POLL_S = 0.25
+DRAIN_SETTLE_S = 0.5  # after the last completion's end is handed to Serve, for Serve to send it
 CUT_OFF_WAIT_S = 5.0  # for the ends of the completions cut off (their error events) to be sent
+DRAIN_CALL_S = 10.0  # a broadcast to the ingress replicas answers within this, or counts as not known
 
 
 def drain(timeout_s: float) -> None:
     """`serve`'s shutdown, before Serve's: every ingress replica stops taking completions (503
     `server_shutting_down`; /health 503 "draining"), and the ones in flight have up to timeout_s
-    to finish; those still running then end with an error (`OpenAIIngress.drain`, `cut_off`)."""
+    to finish; those still running then end with an error (`OpenAIIngress.drain`, `cut_off`).
+    An ingress that does not answer counts as one with completions in flight, until the time is up."""
     from ray import serve
 
     try:
@@ -486,34 +492,47 @@ def drain(timeout_s: float) -> None:
     except Exception as e:  # (the app gone already: nothing to drain)
         print(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})", flush=True)
         return
+    trouble: list[str] = []
 
-    def in_flight(method: str) -> int:
-        answers = ingress.broadcast(method).results(timeout_s=10.0, return_exceptions=True)
-        return sum(n for n in answers if isinstance(n, int))
+    def in_flight(method: str) -> int | None:
+        """The completions in flight over the ingress replicas, or None if one did not answer."""
+        try:
+            answers = ingress.broadcast(method).results(timeout_s=DRAIN_CALL_S, return_exceptions=True)
+        except Exception as e:
+            answers = [e]
+        failed = [a for a in answers if not isinstance(a, int)]
+        if failed:
+            trouble.append(last_line(failed[0], type(failed[0]).__name__) if isinstance(failed[0], BaseException)
+                           else repr(failed[0]))
+            return None
+        return sum(answers)
 
     t0 = time.monotonic()
-    try:
+    n = first = in_flight("drain")
+    if n == 0 or timeout_s == 0:
+        print("shutting down (Ctrl-C again to exit at once)", flush=True)
+    else:
+        what = f"{n} request(s) in flight" if n else f"the ingress did not answer ({trouble[-1]})"
+        print(f"shutting down: {what}; new ones get a 503; waiting up to {timeout_s:g} s for them to finish "
+              "(--shutdown-timeout; Ctrl-C again to exit at once)", flush=True)
+    while n != 0 and time.monotonic() - t0 < timeout_s:
+        time.sleep(DRAIN_POLL_S)
         n = in_flight("drain")
-        if n and timeout_s > 0:
-            print(f"shutting down: {n} request(s) in flight; new ones get a 503; waiting up to {timeout_s:g} s "
-                  "for them to finish (--shutdown-timeout; Ctrl-C again to exit at once)", flush=True)
-        else:
-            print("shutting down (Ctrl-C again to exit at once)", flush=True)
-        while n and time.monotonic() - t0 < timeout_s:
+    if n != 0:
+        n = in_flight("cut_off")
+        print(f"{'the' if n is None else n} request(s) still in flight after {timeout_s:g} s end with an error "
+              "(server_shutting_down)", flush=True)
+        t1 = time.monotonic()
+        while n != 0 and time.monotonic() - t1 < CUT_OFF_WAIT_S:
             time.sleep(DRAIN_POLL_S)
             n = in_flight("drain")
-        if n:
-            n = in_flight("cut_off")
-            print(f"{n} request(s) still in flight after {timeout_s:g} s end with an error "
-                  "(server_shutting_down)", flush=True)
-            t1 = time.monotonic()
-            while n and time.monotonic() - t1 < CUT_OFF_WAIT_S:
-                time.sleep(DRAIN_POLL_S)
-                n = in_flight("drain")
-        elif time.monotonic() - t0 > DRAIN_POLL_S:
-            print(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
-    except Exception as e:  # (an ingress that does not answer: Serve's shutdown follows regardless)
-        print(f"could not drain the requests in flight: {last_line(e, type(e).__name__)}", file=sys.stderr, flush=True)
+    elif first:
+        print(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
+    if trouble:
+        print(f"an ingress replica did not answer the drain: {trouble[-1]}", file=sys.stderr, flush=True)
+    time.sleep(DRAIN_SETTLE_S)
+
+
 DEFAULT_HOST, DEFAULT_PORT = "0.0.0.0", 8000
 
 

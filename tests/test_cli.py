@@ -203,14 +203,14 @@ def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
 
 
 def test_serve_ends_the_requests_still_running_at_its_shutdown_timeout(tiny_pair_dir):
-    """--shutdown-timeout 0: the streams in flight end at once with an error event
-    (server_shutting_down) and [DONE], not cut off mid-token."""
+    """--shutdown-timeout 0, and SIGTERM (a Kubernetes pod's end): the streams in flight end at
+    once with an error event (server_shutting_down) and [DONE], not cut off mid-token."""
     import signal
 
     proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0")
     try:
         threads, results = _streams_in_the_pair(port, 4)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=240)
         assert proc.wait(timeout=240) == 0

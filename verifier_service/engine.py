@@ -304,7 +304,8 @@ class SpeculativeEngine:
         self.degraded: str | None = None  # why speculation is off (the proposer failed), or None
         self._moved: tuple[str, str] | None = None  # (a drafter address found stale from outside the loop, why)
         self.proposer_failures = 0
-        self.proposer_recoveries = 0  # (these two and `degraded`: /metrics, through the pair's load())
+        self.degradations = 0  # times `degraded` was set, and cleared (`recoveries`): /metrics, through the
+        self.recoveries = 0    # pair's load()
         self._to_release: list[tuple[str, str]] = []  # (proposer, sequence) to release after this round
         self._early: dict[str, int] | None = None  # sequences whose outcome went out early -> k asked
         self._early_got: dict[str, Draft] | None = None  # their drafts, once received
@@ -604,6 +605,7 @@ class SpeculativeEngine:
         """Every drafter sequence continues on the n-gram proposer (or target-only) until the
         drafter has recovered."""
         self.proposer_failures += 1
+        self.degradations += self.degraded is None
         fallback = "the n-gram proposer" if "ngram" in self.proposers else "target-only"
         self.degraded = f"the drafter is unavailable ({type(error).__name__}: {str(error)[:200]}); serving with {fallback}"
         log.warning("%s", self.degraded)
@@ -627,7 +629,7 @@ class SpeculativeEngine:
             return
         log.warning("the drafter is back: speculation resumes")
         self.degraded = None
-        self.proposer_recoveries += 1
+        self.recoveries += 1
         self._early = self._early_got = None
         for req in self.running:
             if req.method == "draft_model" and req.via != "draft_model" and not req.resting:
