@@ -268,6 +268,10 @@ def _get(body: dict, name: str, default, type_ok, value_ok, what: str):
     return v
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # OpenAI's, but for the tools' own
+TOOL_ROLES = ("tool", "function")
+
+
 def chat_prompt(body, tokenizer) -> str:
     """The prompt text of a /v1/chat/completions body, through the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -275,9 +279,12 @@ def chat_prompt(body, tokenizer) -> str:
     messages = body.get("messages") if isinstance(body, dict) else None
     if isinstance(messages, list):  # a tool-calling conversation (until stop 62 told only the shape expected)
         for i, m in enumerate(messages):
-            if isinstance(m, dict) and (m.get("tool_calls") or m.get("function_call")):
+            if isinstance(m, dict) and (m.get("tool_calls") or m.get("function_call") or m.get("role") in TOOL_ROLES):
                 raise _bad(f"messages[{i}]: tool and function calls are not supported (no tool calls)",
                            "messages", "unsupported_value")
+            if isinstance(m, dict) and _is_text(m.get("role")) and m["role"] not in CHAT_ROLES:
+                # (until stop 63 any role reached the template, which printed it as it was)
+                raise _bad(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}", "messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and _is_text(m.get("role")) and (_is_text(m.get("content"))
                                                                  or isinstance(m.get("content"), list))

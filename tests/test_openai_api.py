@@ -273,6 +273,16 @@ def test_a_conversation_with_tool_calls_is_refused_as_not_implemented():
         with pytest.raises(APIError) as e:
             chat_prompt({"messages": [{"role": "user", "content": "hi"}, message]}, tok)
         assert e.value.code == "unsupported_value" and "messages[1]" in e.value.message
+    for role in ("tool", "function"):  # a tool's answer (until stop 63 it reached the template)
+        with pytest.raises(APIError) as e:
+            chat_prompt({"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "42"}]}, tok)
+        assert e.value.code == "unsupported_value" and "messages[1]" in e.value.message
+    for role in ("bot", "User", "ipython"):  # not a role of the API (until stop 63 printed into the prompt as it was)
+        with pytest.raises(APIError) as e:
+            chat_prompt({"messages": [{"role": role, "content": "hi"}]}, tok)
+        assert e.value.code == "invalid_value" and e.value.param == "messages" and "messages[0].role" in e.value.message
+    for role in ("system", "developer", "user", "assistant"):
+        assert f"{role}: hi" in chat_prompt({"messages": [{"role": role, "content": "hi"}]}, tok)
     for empty in ([], None):  # (the openai client echoes an assistant message back with its empty tool_calls)
         said = {"role": "assistant", "content": "ok", "tool_calls": empty}
         assert "ok" in chat_prompt({"messages": [{"role": "user", "content": "hi"}, said]}, tok)
