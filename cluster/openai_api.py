@@ -186,8 +186,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
     # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
     if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
-        raise _bad("'logprobs' is not supported (no log probabilities are returned: 0 asks for the chosen "
-                   "tokens')", "logprobs", "unsupported_value")
+        raise _bad("'logprobs' is not supported (no log probabilities are returned; 0 asks for those of the "
+                   "chosen tokens)", "logprobs", "unsupported_value")
     for name, inert, what in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED) + UNSUPPORTED:  # asked for,
         value = body.get(name)  # not done: a clear 400, not a 200 that ignores it (numbers equal as numbers: 1, 1.0)
         if not any(_same(value, x) for x in inert):

@@ -323,6 +323,16 @@ async def each_pair(handle, method: str, timeout_s: float) -> list:
     return list(await asyncio.gather(*map(answer, replicas), return_exceptions=True))
 
 
+class Flight:
+    """A completion in the ingress, from its arrival until its answer, or its stream's last event,
+    is handed to Serve: `OpenAIIngress.live`; its pair stream once it has one."""
+    __slots__ = ("stream", "streaming", "__weakref__")
+
+    def __init__(self):
+        self.stream = None
+        self.streaming = False  # its StreamingResponse took it (and `_stream` ends it)
+
+
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -338,8 +348,9 @@ async def _api_error(_, exc: APIError):
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_, exc: StarletteHTTPException):
     """Unknown paths, wrong methods: the same OpenAI-style body as every other error."""
-    return await _api_error(_, APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
-                                        else None, headers=getattr(exc, "headers", None)))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)  # (405's was null until stop 63)
+    return await _api_error(_, APIError(exc.status_code, str(exc.detail), code=code,
+                                        headers=getattr(exc, "headers", None)))
 
 
 def _pair_failed(error: Exception) -> APIError:
@@ -371,9 +382,10 @@ class OpenAIIngress:
         self.api_key = self.cfg.resolved_api_key()
         if self.api_key is None and os.environ.get("SPECSERVE_API_KEY") is not None:  # (under `serve run`, KubeRay)
             log.warning("SPECSERVE_API_KEY is set but blank: /v1/* requires no key")
-        self.live: set = set()  # the pair streams of the completions in flight here (see `drain`)
+        self.live: set[Flight] = set()  # the completions in flight here, from their arrival (see `drain`)
         self.draining = False  # set by `drain`: completions are refused, /health says so
         self.cut = False  # set by `cut_off`: the completions still in flight end with an error
+        self._cut_signal: asyncio.Future | None = None  # done at `cut_off`: ends every wait on a pair
 
     # ------------------------------------------------------------------ shutdown (`specserve serve`)
     async def drain(self) -> int:
@@ -393,10 +405,34 @@ class OpenAIIngress:
         yet sent as a 503, both `server_shutting_down` (their pairs free the slots). Returns how
         many it ended."""
         self.draining = self.cut = True
+        if not self._cut().done():  # ends every wait on a pair: a stopped replica's stream is not ended by its cancel
+            self._cut().set_result(None)
         live = list(self.live)
-        for stream in live:
-            stream.cancel()
+        for flight in live:
+            if flight.stream is not None:
+                flight.stream.cancel()
         return len(live)
+
+    def _cut(self) -> asyncio.Future:
+        if self._cut_signal is None:
+            self._cut_signal = asyncio.get_running_loop().create_future()
+        return self._cut_signal
+
+    async def _next(self, stream, first: bool = False):
+        """The pair stream's next message (StopAsyncIteration at its end), unless `cut_off` comes
+        first: then the cut's 503."""
+        if self.cut:
+            raise self._cut_error(None)
+        nxt = asyncio.ensure_future(stream.__anext__())
+        try:
+            await asyncio.wait({nxt, self._cut()}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # (the client went away)
+            nxt.cancel()
+            raise
+        if not nxt.done():
+            nxt.cancel()
+            raise self._cut_error(None)
+        return nxt.result()
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -443,24 +479,33 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        with self._counting_failures():
-            self._authorize(request)
-            self._refuse_if_draining()
-            body = await self._json(request)
-            self._check_model(body)
-            req = parse_completion(body, self.cfg.model)
-            return await self._serve(req, req.prompt, chat=False)
+        return await self._completion(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        return await self._completion(request, chat=True)
+
+    async def _completion(self, request: Request, chat: bool):
+        """A completion is in flight (`live`, for a shutdown's drain) from its arrival: one whose
+        body was still being read or tokenized as the drain began was refused until stop 63."""
         with self._counting_failures():
             self._authorize(request)
             self._refuse_if_draining()
-            body = await self._json(request)
-            self._check_model(body)
-            prompt = chat_prompt(body, self.tokenizer)
-            req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
-            return await self._serve(req, prompt, chat=True)
+            flight = Flight()
+            self.live.add(flight)
+            try:
+                body = await self._json(request)
+                self._check_model(body)
+                if chat:
+                    prompt = chat_prompt(body, self.tokenizer)
+                    req = parse_completion({**body, "prompt": prompt}, self.cfg.model, chat=True)
+                else:
+                    req = parse_completion(body, self.cfg.model)
+                    prompt = req.prompt
+                return await self._serve(req, prompt, chat, flight)
+            finally:
+                if not flight.streaming:  # (a stream leaves `live` as it ends: `_stream`)
+                    self.live.discard(flight)
 
     @contextlib.contextmanager
     def _counting_failures(self):
@@ -520,7 +565,7 @@ class OpenAIIngress:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model!r}",
                            param="model", code="model_not_found")
 
-    async def _serve(self, req, prompt, chat: bool):
+    async def _serve(self, req, prompt, chat: bool, flight: "Flight"):
         try:  # (a long prompt off the event loop, as its body)
             prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat) if len(prompt) < 1 << 14 else \
                 await asyncio.to_thread(prompt_token_ids, self.tokenizer, prompt, chat)
@@ -539,49 +584,45 @@ class OpenAIIngress:
         upstream = {"id": uuid.uuid4().hex, "prompt_ids": prompt_ids, "max_tokens": req.max_tokens,
                     "sampling": sampling, "speculative": req.speculative, "k": req.k, "ignore_eos": req.ignore_eos,
                     "method": req.method, "coalesce": not req.stream, "stop": req.stop}
-        self._refuse_if_draining()  # (again: a shutdown may have begun while the body was read or tokenized)
-        stream = self.pair.options(stream=True).generate.remote(upstream)
-        self.live.add(stream)  # until its answer, or its stream's last event, is handed to Serve (`drain`)
-        streamed = False
+        if self.cut:  # (a shutdown's cut came while its body was read or tokenized)
+            raise self._cut_error(None)
+        stream = flight.stream = self.pair.options(stream=True).generate.remote(upstream)
+        cid, timer = completion_id(chat), self.metrics.timer()
+        detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
         try:
-            cid, timer = completion_id(chat), self.metrics.timer()
-            detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
-            try:
-                await self._taken(stream)
-                first = await stream.__anext__()  # surfaces validation/overload errors before any byte is sent
-            except APIError:
-                raise
-            except Exception as e:
-                raise self._pair_failed(e) from None
-            except BaseException as e:  # the client went away before the first message (for a request that is
-                stream.cancel()         # not streamed, the whole generation): its slots are freed, not kept to its end
-                cut = self._cut_error(e)
-                if cut:
-                    raise cut from None
-                raise
-            if "error" in first:
-                self._raise_upstream(first["error"], chat)
-            if req.stream:
-                events = self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer)
-                weakref.finalize(events, self.live.discard, stream)  # (a stream Starlette never began: no finally)
-                streamed = True
-                return StreamingResponse(events, media_type="text/event-stream")
-            final = None
-            try:
-                async for item in self._items(first, stream):
-                    if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
-                        final = item
-                        timer.rounds(item.get("rounds", []))
-                    if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
-                        detok.add(item["token_ids"])
-            finally:
-                stream.cancel()  # an error ends the sequence early: free its slots
-            if not detok.stopped:
-                detok.flush()
-            return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
+            await self._taken(stream)
+            first = await self._next(stream)  # surfaces validation/overload errors before any byte is sent
+        except APIError:
+            stream.cancel()
+            raise
+        except Exception as e:
+            raise self._pair_failed(e) from None
+        except BaseException as e:  # the client went away before the first message (for a request that is
+            stream.cancel()         # not streamed, the whole generation): its slots are freed, not kept to its end
+            cut = self._cut_error(e)
+            if cut:
+                raise cut from None
+            raise
+        if "error" in first:
+            self._raise_upstream(first["error"], chat)
+        if req.stream:
+            events = self._stream(stream, first, detok, cid, req, prompt_ids, chat, timer, flight)
+            weakref.finalize(events, self.live.discard, flight)  # (a stream Starlette never began: no finally)
+            flight.streaming = True
+            return StreamingResponse(events, media_type="text/event-stream")
+        final = None
+        try:
+            async for item in self._items(first, stream):
+                if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
+                    final = item
+                    timer.rounds(item.get("rounds", []))
+                if "token_ids" in item and not detok.stopped:  # (the pair ends the request at its stop string)
+                    detok.add(item["token_ids"])
         finally:
-            if not streamed:
-                self.live.discard(stream)
+            stream.cancel()  # an error ends the sequence early: free its slots
+        if not detok.stopped:
+            detok.flush()
+        return self._finish(cid, req, prompt_ids, detok, final, chat, timer)
 
     async def _taken(self, stream) -> None:
         """Waits until Serve has given the request to a pair replica, at most `pair_wait_s`; then a
@@ -610,7 +651,11 @@ class OpenAIIngress:
     async def _items(self, first, stream):
         yield first
         try:
-            async for item in stream:
+            while True:
+                try:
+                    item = await self._next(stream)
+                except StopAsyncIteration:
+                    return
                 if "error" in item:
                     raise APIError(item["error"]["status"], item["error"]["message"])
                 yield item
@@ -627,10 +672,11 @@ class OpenAIIngress:
     def _pair_failed(self, error: Exception) -> APIError:
         return self._cut_error(error) or _pair_failed(error)
 
-    def _cut_error(self, error: BaseException) -> APIError | None:
-        """The 503 of a completion that `cut_off` ended, its pair stream cancelled (Ray's
-        TaskCancelledError; asyncio's CancelledError where no pair had taken it yet); None for any
-        other failure, or the client's own going away (this task cancelled)."""
+    def _cut_error(self, error: BaseException | None) -> APIError | None:
+        """The 503 of a completion that `cut_off` ended (error None: `_next` saw the cut; else its
+        pair stream cancelled: Ray's TaskCancelledError, asyncio's CancelledError where no pair had
+        taken it yet); None for any other failure, or the client's own going away (this task
+        cancelled)."""
         if not self.cut or (isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling()):
             return None
         return APIError(503, "the server shut down before this request finished; retry it on another server",
@@ -657,7 +703,7 @@ class OpenAIIngress:
         self.metrics.finished(finish_reason, timer.elapsed(), used, stats)
         return completion_response(cid, req.model, detok.text, finish_reason, used, spec, chat=chat)
 
-    async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer):
+    async def _stream(self, stream, first, detok, cid, req, prompt_ids, chat, timer, flight):
         """The SSE stream: (chat: the role first, as OpenAI's) text chunks, the finish chunk with
         the `speculative` block, and with stream_options.include_usage a usage chunk (with
         continuous_usage_stats too, as vLLM's: every chunk carries the usage so far); then [DONE]."""
@@ -708,14 +754,14 @@ class OpenAIIngress:
         except BaseException as e:  # the client disconnected mid-stream
             if not answered:
                 self._count_failure(e)
-            self.live.discard(stream)
+            self.live.discard(flight)
             raise
         finally:
             stream.cancel()
         try:
             yield "data: [DONE]\n\n"
         finally:
-            self.live.discard(stream)
+            self.live.discard(flight)
 
 
 def build_app(args: dict | None = None):

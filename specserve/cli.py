@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import json
@@ -378,9 +379,19 @@ def _port_taken(host: str, port: int) -> str | None:
     return None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before `serve` is up: the command ends as at Ctrl-C, with 143 (until stop 63 Ray's own
+    handlers ended it with a stack dump and 134, or with 15, by when it came)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def cmd_serve(args) -> int:
     import signal
 
+    signal.signal(signal.SIGTERM, _terminated)  # (again once Ray has started: it sets its own; until the banner)
     app_args, host, port = serve_settings(args)
     try:
         cfg = SpecServeConfig.from_dict(app_args)
@@ -401,7 +412,13 @@ def cmd_serve(args) -> int:
     taken = _port_taken(host, port) if starts_ray() else None  # (a cluster joined may run Serve's proxy there)
     if taken:
         raise CLIError(f"cannot listen at {host}:{port}: {taken}")
-    fresh = ensure_ray()
+    try:
+        fresh = ensure_ray()
+    except SystemExit as e:  # SIGTERM while Ray starts: its handler's sys.exit(15)
+        if e.code == signal.SIGTERM:
+            raise Terminated() from None
+        raise
+    signal.signal(signal.SIGTERM, _terminated)
     have = ray.cluster_resources()
     if str(cfg.device).startswith("cuda") and cfg.use_gpu is None and not have.get("GPU"):  # the actors would
         # die loading, Serve retrying each: until stop 59 told as "Failed to update the deployments" (use_gpu: false
@@ -445,35 +462,75 @@ def cmd_serve(args) -> int:
     # (the variable as the shell has it: one with a newline at its end would break the header)
     # (the key itself is kept out of the banner, and so out of logs; the body quoted for the shell, whatever the name)
     body = json.dumps({"model": cfg.model, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0})
-    print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-          f"    -d {shlex.quote(body)}\n", flush=True)
+    exited = _ray_exited()  # (a Ray process that exited before the signal, its dashboard say, is not the signal's)
     stop: list[int] = []  # a plain flag: a handler that set a threading.Event could run while the main
     # thread held that Event's lock (inside its wait) and deadlock on it, as a Ctrl-C once did here
     for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored
         signal.signal(sig, lambda signum, _: stop.append(signum))
+    print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+          f"    -d {shlex.quote(body)}\n", flush=True)
     while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
         time.sleep(0.5)
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C, or SIGTERM, exits at once
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    gone = _ray_stopped_too(exited) if fresh else []
+    if gone:  # nothing left to drain, or to shut down: the drain would wait on Ray's GCS for 60 s, then fail
+        _say(f"Ray's own processes ({', '.join(gone)}) were stopped by the same signal (sent to the whole process "
+              "group, or by systemd's control-group kill): the requests in flight are lost; exiting. Signal this "
+              "process alone (under systemd: KillMode=mixed) for a drain", file=sys.stderr, flush=True)
+        os._exit(1)
     limit = args.shutdown_timeout + CUT_OFF_WAIT_S + 3 * DRAIN_CALL_S
     if not _bounded(lambda: drain(args.shutdown_timeout), limit):  # (Serve's controller not answering, say)
-        print(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr, flush=True)
+        _say(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr, flush=True)
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
         t0 = time.monotonic()
         if not _bounded(step, SHUTDOWN_STEP_S):
-            print(f"{what} did not shut down within {SHUTDOWN_STEP_S:.0f} s; its threads, for a bug report:",
+            _say(f"{what} did not shut down within {SHUTDOWN_STEP_S:.0f} s; its threads, for a bug report:",
                   file=sys.stderr, flush=True)
             import faulthandler
-            faulthandler.dump_traceback(file=sys.stderr)
+            with contextlib.suppress(OSError, ValueError):
+                faulthandler.dump_traceback(file=sys.stderr)
         else:
-            print(f"{what} stopped in {time.monotonic() - t0:.1f} s", flush=True)
-    print("stopped", flush=True)
-    sys.stderr.flush()
+            _say(f"{what} stopped in {time.monotonic() - t0:.1f} s", flush=True)
+    _say("stopped", flush=True)
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
     os._exit(0)  # threads that Ray or Serve left behind must not hold the process at exit
 
 
 SHUTDOWN_STEP_S = 60.0
+
+
+def _say(*args, **kwargs) -> None:
+    """print, for the shutdown: a stdout or stderr closed meanwhile (a pipe's reader gone) must not
+    stop it (an exception there went to Ray's excepthook, which hung on Ray's GCS)."""
+    try:
+        print(*args, **{**kwargs, "flush": True})
+    except (OSError, ValueError):
+        pass
+RAY_STOPPED_WAIT_S = 0.5  # for Ray's processes to exit, if the signal reached them too
+
+
+def _ray_exited() -> set[str]:
+    """The kinds of the local Ray's processes (this command started them) that have exited. (Ray
+    2.60's private `Node`: without it, none known.)"""
+    try:
+        from ray._private.worker import _global_node as node
+        return {kind for kind, _ in node.dead_processes()}
+    except Exception:
+        return set()
+
+
+def _ray_stopped_too(before: set[str]) -> list[str]:
+    """The kinds of the local Ray's processes that exited since `before`, within RAY_STOPPED_WAIT_S:
+    a signal sent to the process group (a shell's `kill %1`) or to a cgroup stops them with this one."""
+    deadline = time.monotonic() + RAY_STOPPED_WAIT_S
+    while True:
+        gone = sorted(_ray_exited() - before)
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.1)
 DRAIN_POLL_S = 0.25
 DRAIN_SETTLE_S = 0.5  # after the last completion's end is handed to Serve, for Serve to send it
 CUT_OFF_WAIT_S = 5.0  # for the ends of the completions cut off (their error events) to be sent
@@ -490,7 +547,7 @@ def drain(timeout_s: float) -> None:
     try:
         ingress = serve.get_app_handle("specserve")
     except Exception as e:  # (the app gone already: nothing to drain)
-        print(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})", flush=True)
+        _say(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})", flush=True)
         return
     trouble: list[str] = []
 
@@ -510,26 +567,26 @@ def drain(timeout_s: float) -> None:
     t0 = time.monotonic()
     n = first = in_flight("drain")
     if n == 0 or timeout_s == 0:
-        print("shutting down (Ctrl-C again to exit at once)", flush=True)
+        _say("shutting down (Ctrl-C again to exit at once)", flush=True)
     else:
         what = f"{n} request(s) in flight" if n else f"the ingress did not answer ({trouble[-1]})"
-        print(f"shutting down: {what}; new ones get a 503; waiting up to {timeout_s:g} s for them to finish "
+        _say(f"shutting down: {what}; new ones get a 503; waiting up to {timeout_s:g} s for them to finish "
               "(--shutdown-timeout; Ctrl-C again to exit at once)", flush=True)
     while n != 0 and time.monotonic() - t0 < timeout_s:
         time.sleep(DRAIN_POLL_S)
         n = in_flight("drain")
     if n != 0:
         n = in_flight("cut_off")
-        print(f"{'the' if n is None else n} request(s) still in flight after {timeout_s:g} s end with an error "
+        _say(f"{'the' if n is None else n} request(s) still in flight after {timeout_s:g} s end with an error "
               "(server_shutting_down)", flush=True)
         t1 = time.monotonic()
         while n != 0 and time.monotonic() - t1 < CUT_OFF_WAIT_S:
             time.sleep(DRAIN_POLL_S)
             n = in_flight("drain")
     elif first:
-        print(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
+        _say(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
     if trouble:
-        print(f"an ingress replica did not answer the drain: {trouble[-1]}", file=sys.stderr, flush=True)
+        _say(f"an ingress replica did not answer the drain: {trouble[-1]}", file=sys.stderr, flush=True)
     time.sleep(DRAIN_SETTLE_S)
 
 
@@ -657,6 +714,8 @@ def main(argv=None) -> int:
     except CLIError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
 

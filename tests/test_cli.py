@@ -103,7 +103,7 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             proc.kill()
 
 
-def _serve_process(pair, *flags):
+def _serve_process(pair, *flags, new_session=False):
     import socket
     import time
     with socket.socket() as s:
@@ -113,7 +113,8 @@ def _serve_process(pair, *flags):
         [sys.executable, "-m", "specserve.cli", "serve", "--target", pair["target"], "--drafter", pair["drafter"],
          "--port", str(port), "--host", "127.0.0.1", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})  # its own Ray, not the tests'
+        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"},  # its own Ray, not the tests'
+        start_new_session=new_session)
     lines = []
     deadline = time.monotonic() + 240
     while not any("curl" in line for line in lines):
@@ -230,6 +231,107 @@ def test_serve_ends_the_requests_still_running_at_its_shutdown_timeout(tiny_pair
                         or last["usage"]["completion_tokens"] == 480), events
             cut += "error" in last
         assert cut >= 2, results  # (the one running at the Ctrl-C may have finished; the last queued cannot)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _descendant(pid, text):
+    """The pid of a process under `pid` whose command line holds `text` (a Serve replica of the
+    command's own Ray), else None."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                children.setdefault(ppid, []).append((int(entry), f.read().decode(errors="replace")))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo = [pid]
+    while todo:
+        for child, cmdline in children.get(todo.pop(), []):
+            if text in cmdline:
+                return child
+            todo.append(child)
+    return None
+
+
+def test_a_stopped_pair_still_lets_the_streams_end_with_an_error_at_the_shutdown_timeout(tiny_pair_dir):
+    """A pair replica that answers nothing (its process stopped: a hung device, say): at the
+    shutdown timeout each stream still ends with its error event and [DONE], each request not
+    yet begun with the 503 (until the ingress stopped waiting on the pair at the cut, they were cut
+    off mid-body when Serve shut down)."""
+    import signal
+
+    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    pair = None
+    try:
+        threads, results = _streams_in_the_pair(port, 3)
+        pair = _descendant(proc.pid, "PairReplica")
+        assert pair is not None
+        os.kill(pair, signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(timeout=120)
+        os.kill(pair, signal.SIGCONT)  # (so Serve stops it as it shuts down)
+        for status, events, done in results:
+            if status == 200:
+                assert done and events[-1]["error"]["code"] == "server_shutting_down", events[-3:]
+            else:
+                assert status == 503 and events[0]["error"]["code"] == "server_shutting_down"
+        assert proc.wait(timeout=240) == 0
+    finally:
+        if pair is not None:
+            try:
+                os.kill(pair, signal.SIGCONT)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_sigterm_to_the_whole_process_group_ends_the_command_at_once_and_says_why(tiny_pair_dir):
+    """A shell's `kill %1` (or systemd's control-group kill) stops Ray's own processes with the
+    command's: nothing is left to drain. Until stop 63 the drain then waited on Ray's GCS for 60 s
+    and the command died with GCS's own error."""
+    import signal
+    import time
+
+    proc, port, lines = _serve_process(tiny_pair_dir, new_session=True)
+    try:
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+        said = "".join(lines) + proc.stdout.read()
+        assert "were stopped by the same signal" in said and time.monotonic() - t0 < 30, said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_sigterm_while_the_command_starts_ends_it_with_143(tiny_pair_dir):
+    """Ray's handlers took SIGTERM while `serve` started: a stack dump and exit 134, or exit 15,
+    by when it came (until stop 63)."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
+         tiny_pair_dir["drafter"], "--port", str(port), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        _until(proc, lines, "Started Serve", timeout_s=240)  # Ray is up; Serve starts, the app not yet
+        assert not any("curl" in line for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        said = "".join(lines) + proc.stdout.read()
+        assert code == 143 and "SIGTERM received" not in said, said
     finally:
         if proc.poll() is None:
             proc.kill()

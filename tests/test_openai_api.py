@@ -232,7 +232,7 @@ def test_a_completion_s_logprobs_message_names_only_what_it_accepts():
     assert e.value.message.endswith("it may be absent or false, got true")  # (0 too, until review: refused there)
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "p", "logprobs": 0}, "m")
-    assert "0 asks for the chosen tokens'" in e.value.message
+    assert "0 asks for those of the chosen tokens" in e.value.message
 
 
 def test_a_batch_of_prompts_is_refused_as_a_feature_not_implemented():
@@ -374,7 +374,7 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
     from specserve.cluster.serve_app import OpenAIIngress
 
     ingress = object.__new__(OpenAIIngress.func_or_class)  # (its state only: no tokenizer, no pairs)
-    ingress.cut = False
+    ingress.cut, ingress._cut_signal = False, None
 
     async def dying():
         yield {"token_ids": [1]}

@@ -343,6 +343,15 @@ def test_disconnect_frees_the_sequence(server):
     assert metric(server, "specserve_pairs_reporting") >= 1
 
 
+def test_unknown_paths_and_wrong_methods_have_the_openai_error_shape(server):
+    import httpx
+    missing = httpx.get(server + "/v1/nothing", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(server + "/v1/completions", timeout=30)  # (its code was null until stop 63)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_failed_requests_are_counted_by_status(server, client):
     import openai
     before = {s: metric(server, "specserve_request_failures_total", f'{{status="{s}"}}') for s in ("400", "404")}
