@@ -326,11 +326,19 @@ async def each_pair(handle, method: str, timeout_s: float) -> list:
 class Flight:
     """A completion in the ingress, from its arrival until its answer, or its stream's last event,
     is handed to Serve: `OpenAIIngress.live`; its pair stream once it has one."""
-    __slots__ = ("stream", "streaming", "__weakref__")
+    __slots__ = ("stream", "streaming", "cut", "__weakref__")
 
     def __init__(self):
         self.stream = None
         self.streaming = False  # its StreamingResponse took it (and `_stream` ends it)
+        self.cut = asyncio.get_running_loop().create_future()  # done at `cut_off`: ends its waits on the pair
+
+
+def _read(task: asyncio.Task) -> None:
+    """A task's outcome, read (a stream cancelled as its next message was awaited ends in Ray's
+    RequestCancelledError, which asyncio would log as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def sse_event(obj: dict) -> str:
@@ -385,7 +393,6 @@ class OpenAIIngress:
         self.live: set[Flight] = set()  # the completions in flight here, from their arrival (see `drain`)
         self.draining = False  # set by `drain`: completions are refused, /health says so
         self.cut = False  # set by `cut_off`: the completions still in flight end with an error
-        self._cut_signal: asyncio.Future | None = None  # done at `cut_off`: ends every wait on a pair
 
     # ------------------------------------------------------------------ shutdown (`specserve serve`)
     async def drain(self) -> int:
@@ -405,27 +412,23 @@ class OpenAIIngress:
         yet sent as a 503, both `server_shutting_down` (their pairs free the slots). Returns how
         many it ended."""
         self.draining = self.cut = True
-        if not self._cut().done():  # ends every wait on a pair: a stopped replica's stream is not ended by its cancel
-            self._cut().set_result(None)
         live = list(self.live)
         for flight in live:
+            if not flight.cut.done():  # ends its wait on the pair: a stopped replica's stream is not ended by its cancel
+                flight.cut.set_result(None)
             if flight.stream is not None:
                 flight.stream.cancel()
         return len(live)
 
-    def _cut(self) -> asyncio.Future:
-        if self._cut_signal is None:
-            self._cut_signal = asyncio.get_running_loop().create_future()
-        return self._cut_signal
-
-    async def _next(self, stream, first: bool = False):
+    async def _next(self, stream, flight: "Flight"):
         """The pair stream's next message (StopAsyncIteration at its end), unless `cut_off` comes
         first: then the cut's 503."""
         if self.cut:
             raise self._cut_error(None)
         nxt = asyncio.ensure_future(stream.__anext__())
+        nxt.add_done_callback(_read)
         try:
-            await asyncio.wait({nxt, self._cut()}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({nxt, flight.cut}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # (the client went away)
             nxt.cancel()
             raise
@@ -591,7 +594,7 @@ class OpenAIIngress:
         detok = Detokenizer(self.tokenizer, req.stop, prompt_ids, req.stop_token_ids)
         try:
             await self._taken(stream)
-            first = await self._next(stream)  # surfaces validation/overload errors before any byte is sent
+            first = await self._next(stream, flight)  # surfaces validation/overload errors before any byte is sent
         except APIError:
             stream.cancel()
             raise
@@ -612,7 +615,7 @@ class OpenAIIngress:
             return StreamingResponse(events, media_type="text/event-stream")
         final = None
         try:
-            async for item in self._items(first, stream):
+            async for item in self._items(first, stream, flight):
                 if "finish_reason" in item:  # the last message, with the tokens and their rounds' times
                     final = item
                     timer.rounds(item.get("rounds", []))
@@ -648,12 +651,12 @@ class OpenAIIngress:
                            "down: see /health); retry", code="pair_unavailable", headers={"Retry-After": "5"})
         task.result()  # (Serve's own errors: handled as the first message's)
 
-    async def _items(self, first, stream):
+    async def _items(self, first, stream, flight):
         yield first
         try:
             while True:
                 try:
-                    item = await self._next(stream)
+                    item = await self._next(stream, flight)
                 except StopAsyncIteration:
                     return
                 if "error" in item:
@@ -677,7 +680,8 @@ class OpenAIIngress:
         pair stream cancelled: Ray's TaskCancelledError, asyncio's CancelledError where no pair had
         taken it yet); None for any other failure, or the client's own going away (this task
         cancelled)."""
-        if not self.cut or (isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling()):
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (3.11; on 3.10 a cancel is the client's)
+        if not self.cut or (isinstance(error, asyncio.CancelledError) and (cancelling is None or cancelling())):
             return None
         return APIError(503, "the server shut down before this request finished; retry it on another server",
                         code="server_shutting_down")
@@ -715,50 +719,49 @@ class OpenAIIngress:
                 c["usage"] = usage(len(prompt_ids), detok.tokens_used())
             return c
 
-        try:
-            if chat:
-                role = role_chunk(cid, req.model)
-                if req.continuous_usage:
-                    role["usage"] = usage(len(prompt_ids), 0)
-                yield sse_event(role)
-            async for item in self._items(first, stream):
-                if "token_ids" in item:
-                    if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
-                        continue
-                    timer.tokens(len(item["token_ids"]))
-                    delta = detok.add(item["token_ids"])
-                    if delta:
-                        yield sse_event(chunk(delta))
-                else:
-                    final = item
-            if not detok.stopped:
-                tail = detok.flush()
-                if tail:
-                    yield sse_event(chunk(tail))
-            done = self._finish(cid, req, prompt_ids, detok, final, chat, timer)
-            answered = True
-            last = chunk("", done["choices"][0]["finish_reason"])
-            last["speculative"] = done["speculative"]
-            yield sse_event(last)
-            if req.include_usage:
-                yield sse_event(usage_chunk(cid, req.model, done["usage"], chat))
-        except APIError as e:
-            self._count_failure(e)
-            yield sse_event(e.body())
-        except Exception as e:  # a bug: an error event, as any other failure (it broke the stream off)
-            log.exception("a stream failed")
-            error = APIError(500, f"the stream failed: {type(e).__name__}: {e}")
-            if not answered:  # (once answered, it is counted as finished only)
-                self._count_failure(error)
-            yield sse_event(error.body())
-        except BaseException as e:  # the client disconnected mid-stream
-            if not answered:
+        try:  # (out of `live` however it ends: a client gone at an error event's yield too)
+            try:
+                if chat:
+                    role = role_chunk(cid, req.model)
+                    if req.continuous_usage:
+                        role["usage"] = usage(len(prompt_ids), 0)
+                    yield sse_event(role)
+                async for item in self._items(first, stream, flight):
+                    if "token_ids" in item:
+                        if detok.stopped:  # (the pair ends the request at its stop string: its last message follows)
+                            continue
+                        timer.tokens(len(item["token_ids"]))
+                        delta = detok.add(item["token_ids"])
+                        if delta:
+                            yield sse_event(chunk(delta))
+                    else:
+                        final = item
+                if not detok.stopped:
+                    tail = detok.flush()
+                    if tail:
+                        yield sse_event(chunk(tail))
+                done = self._finish(cid, req, prompt_ids, detok, final, chat, timer)
+                answered = True
+                last = chunk("", done["choices"][0]["finish_reason"])
+                last["speculative"] = done["speculative"]
+                yield sse_event(last)
+                if req.include_usage:
+                    yield sse_event(usage_chunk(cid, req.model, done["usage"], chat))
+            except APIError as e:
                 self._count_failure(e)
-            self.live.discard(flight)
-            raise
-        finally:
-            stream.cancel()
-        try:
+                yield sse_event(e.body())
+            except Exception as e:  # a bug: an error event, as any other failure (it broke the stream off)
+                log.exception("a stream failed")
+                error = APIError(500, f"the stream failed: {type(e).__name__}: {e}")
+                if not answered:  # (once answered, it is counted as finished only)
+                    self._count_failure(error)
+                yield sse_event(error.body())
+            except BaseException as e:  # the client disconnected mid-stream
+                if not answered:
+                    self._count_failure(e)
+                raise
+            finally:
+                stream.cancel()
             yield "data: [DONE]\n\n"
         finally:
             self.live.discard(flight)

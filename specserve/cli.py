@@ -388,6 +388,14 @@ def _terminated(signum, frame):
     raise Terminated()
 
 
+def _default_signals() -> None:
+    """On the way out after Ctrl-C or a SIGTERM: another signal takes its default action, not a
+    handler raising inside Ray's own shutdown at exit."""
+    import signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def cmd_serve(args) -> int:
     import signal
 
@@ -462,16 +470,23 @@ def cmd_serve(args) -> int:
     # (the variable as the shell has it: one with a newline at its end would break the header)
     # (the key itself is kept out of the banner, and so out of logs; the body quoted for the shell, whatever the name)
     body = json.dumps({"model": cfg.model, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0})
-    exited = _ray_exited()  # (a Ray process that exited before the signal, its dashboard say, is not the signal's)
     stop: list[int] = []  # a plain flag: a handler that set a threading.Event could run while the main
     # thread held that Event's lock (inside its wait) and deadlock on it, as a Ctrl-C once did here
+
+    def stopping(signum, _):
+        if stop:  # a second signal before the loop woke: at once, as after it
+            os._exit(128 + signum)
+        stop.append(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored
-        signal.signal(sig, lambda signum, _: stop.append(signum))
+        signal.signal(sig, stopping)
     print(f"specserve is serving {cfg.model!r} at {url}  (Ctrl-C stops it)\n\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d {shlex.quote(body)}\n", flush=True)
+    exited = _ray_exited()  # (a Ray process that exited before the signal, its dashboard say, is not the signal's)
     while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
         time.sleep(0.5)
+        exited = _ray_exited() if not stop else exited
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C, or SIGTERM, exits at once
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     gone = _ray_stopped_too(exited) if fresh else []
@@ -509,7 +524,7 @@ def _say(*args, **kwargs) -> None:
         print(*args, **{**kwargs, "flush": True})
     except (OSError, ValueError):
         pass
-RAY_STOPPED_WAIT_S = 0.5  # for Ray's processes to exit, if the signal reached them too
+RAY_STOPPED_WAIT_S = 1.0  # for Ray's processes to exit, if the signal reached them too
 
 
 def _ray_exited() -> set[str]:
@@ -715,8 +730,10 @@ def main(argv=None) -> int:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     except Terminated:
+        _default_signals()
         return 143
     except KeyboardInterrupt:
+        _default_signals()
         return 130
 
 

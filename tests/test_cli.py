@@ -83,11 +83,11 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
     import signal
 
     import httpx
-    proc, port, lines = _serve_process(tiny_pair_dir)
+    proc, port, out = _serve_process(tiny_pair_dir)
     try:
-        assert any(f"http://localhost:{port}" in line for line in lines)
+        assert f"http://localhost:{port}" in out
         # Serve's note that our host and port "will not be applied", which they are (logged until stop 62)
-        assert not any("will not be applied" in line for line in lines), "".join(lines)
+        assert "will not be applied" not in out, out.text()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -96,7 +96,7 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             code = proc.wait(timeout=240)  # Serve and Ray shut down slowly on a loaded machine
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError("no exit 240 s after Ctrl-C; its output:\n" + "".join(lines) + proc.stdout.read())
+            raise AssertionError("no exit 240 s after Ctrl-C; its output:\n" + out.rest(5))
         assert code == 0
     finally:
         if proc.poll() is None:
@@ -115,14 +115,46 @@ def _serve_process(pair, *flags, new_session=False):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"},  # its own Ray, not the tests'
         start_new_session=new_session)
-    lines = []
-    deadline = time.monotonic() + 240
-    while not any("curl" in line for line in lines):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise AssertionError("".join(lines))
-        lines.append(proc.stdout.readline())
-    return proc, port, lines
+    out = Output(proc)
+    try:
+        out.until("curl", timeout_s=240)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, port, out
+
+
+class Output:
+    """A process's output (stdout with stderr), read on a thread of its own: a test waits for a
+    line with a deadline, never on a silent pipe."""
+
+    def __init__(self, proc):
+        import threading
+        self.proc, self.lines = proc, []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.append(line)
+
+    def __contains__(self, text):
+        return text in self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def until(self, text, timeout_s=60):
+        import time
+        deadline = time.monotonic() + timeout_s
+        while text not in self:
+            assert time.monotonic() < deadline and self.reader.is_alive(), f"no {text!r} in:\n" + self.text()
+            time.sleep(0.05)
+
+    def rest(self, timeout_s=60) -> str:
+        """All of it, once the process has closed its output."""
+        self.reader.join(timeout_s)
+        return self.text()
 
 
 def _stream_completion(port, max_tokens):
@@ -157,19 +189,13 @@ def _streams_in_the_pair(port, n, max_tokens=480):
                for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 120
     while f"specserve_num_requests_waiting {n - 1}.0" not in httpx.get(f"http://127.0.0.1:{port}/metrics",
                                                                        timeout=30).text:
         assert all(t.is_alive() for t in threads), "a request finished before the Ctrl-C"
+        assert time.monotonic() < deadline, "the requests did not all reach the pair"
         time.sleep(0.05)
     return threads, results
-
-
-def _until(proc, lines, text, timeout_s=60):
-    import time
-    deadline = time.monotonic() + timeout_s
-    while not any(text in line for line in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        lines.append(proc.stdout.readline())
 
 
 def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
@@ -179,11 +205,11 @@ def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
     import signal
 
     import httpx
-    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "200")
+    proc, port, out = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "200")
     try:
         threads, results = _streams_in_the_pair(port, 6)  # one running, the rest queued behind it: seconds of work after the Ctrl-C
         proc.send_signal(signal.SIGINT)
-        _until(proc, lines, "request(s) in flight")
+        out.until("request(s) in flight")
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                              json={"model": "specserve-demo", "prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
@@ -196,8 +222,7 @@ def test_serve_drains_the_requests_in_flight_at_ctrl_c(tiny_pair_dir):
             assert status == 200 and done and events[-1]["usage"]["completion_tokens"] == 480
             assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=240) == 0
-        rest = proc.stdout.read()
-        assert "the requests in flight finished in" in rest, "".join(lines) + rest
+        assert "the requests in flight finished in" in out.rest(), out.text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -208,14 +233,14 @@ def test_serve_ends_the_requests_still_running_at_its_shutdown_timeout(tiny_pair
     once with an error event (server_shutting_down) and [DONE], not cut off mid-token."""
     import signal
 
-    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0")
+    proc, port, out = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0")
     try:
         threads, results = _streams_in_the_pair(port, 4)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=240)
         assert proc.wait(timeout=240) == 0
-        said = "".join(lines) + proc.stdout.read()
+        said = out.rest()
         assert "end with an error (server_shutting_down)" in said, said
         # a stream begun ends with its last chunk or an error event, then [DONE]; a request queued,
         # not yet begun, gets the API's 503
@@ -264,7 +289,7 @@ def test_a_stopped_pair_still_lets_the_streams_end_with_an_error_at_the_shutdown
     off mid-body when Serve shut down)."""
     import signal
 
-    proc, port, lines = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    proc, port, out = _serve_process(tiny_pair_dir, "--max-num-seqs", "1", "--shutdown-timeout", "1")
     pair = None
     try:
         threads, results = _streams_in_the_pair(port, 3)
@@ -298,12 +323,12 @@ def test_a_sigterm_to_the_whole_process_group_ends_the_command_at_once_and_says_
     import signal
     import time
 
-    proc, port, lines = _serve_process(tiny_pair_dir, new_session=True)
+    proc, port, out = _serve_process(tiny_pair_dir, new_session=True)
     try:
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 1
-        said = "".join(lines) + proc.stdout.read()
+        said = out.rest()
         assert "were stopped by the same signal" in said and time.monotonic() - t0 < 30, said
     finally:
         if proc.poll() is None:
@@ -325,12 +350,12 @@ def test_a_sigterm_while_the_command_starts_ends_it_with_143(tiny_pair_dir):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})
     try:
-        lines = []
-        _until(proc, lines, "Started Serve", timeout_s=240)  # Ray is up; Serve starts, the app not yet
-        assert not any("curl" in line for line in lines), "".join(lines)
+        out = Output(proc)
+        out.until("Started Serve", timeout_s=240)  # Ray is up; Serve starts, the app not yet
+        assert "curl" not in out, out.text()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
-        said = "".join(lines) + proc.stdout.read()
+        said = out.rest()
         assert code == 143 and "SIGTERM received" not in said, said
     finally:
         if proc.poll() is None:

@@ -371,28 +371,41 @@ def test_a_pair_that_fails_under_a_request_is_a_503_in_the_openai_shape():
     plain-text 500, and a streamed response cut off without its error event and [DONE])."""
     import asyncio
 
-    from specserve.cluster.serve_app import OpenAIIngress
+    from specserve.cluster.serve_app import Flight, OpenAIIngress
 
     ingress = object.__new__(OpenAIIngress.func_or_class)  # (its state only: no tokenizer, no pairs)
-    ingress.cut, ingress._cut_signal = False, None
+    ingress.cut, ingress.draining, ingress.live = False, False, set()
 
     async def dying():
         yield {"token_ids": [1]}
         raise RuntimeError("the replica died")
 
-    async def read():
+    async def read(stream, cut_after_s=None):
+        flight = Flight()
+        ingress.live.add(flight)
+        if cut_after_s is not None:  # a shutdown's cut_off while the request waits on its pair
+            async def cut():
+                await asyncio.sleep(cut_after_s)
+                await ingress.cut_off()
+            asyncio.ensure_future(cut())
         got = []
         with pytest.raises(APIError) as e:
-            async for item in ingress._items({"token_ids": [0]}, dying()):
+            async for item in ingress._items({"token_ids": [0]}, stream, flight):
                 got.append(item)
         return got, e.value
 
-    got, error = asyncio.run(read())
+    got, error = asyncio.run(read(dying()))
     assert got == [{"token_ids": [0]}, {"token_ids": [1]}]
     assert error.status == 503 and error.code == "pair_unavailable" and error.headers == {"Retry-After": "1"}
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
-    ingress.cut = True  # a shutdown's cut_off cancelled the pair's stream: the client is told so
-    got, error = asyncio.run(read())
+
+    async def silent():  # a pair that stops answering (its process stopped): its stream's cancel never ends it
+        yield {"token_ids": [1]}
+        await asyncio.sleep(3600)
+        yield {"token_ids": [2]}
+
+    got, error = asyncio.run(asyncio.wait_for(read(silent(), cut_after_s=0.1), 30))
+    assert got == [{"token_ids": [0]}, {"token_ids": [1]}]
     assert error.status == 503 and error.code == "server_shutting_down" and not error.headers
 
 
