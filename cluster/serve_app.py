@@ -437,11 +437,6 @@ class OpenAIIngress:
             raise self._cut_error(None)
         return nxt.result()
 
-    def _refuse_if_draining(self) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down; send the request to another server",
-                           code="server_shutting_down")
-
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self):
@@ -493,7 +488,9 @@ class OpenAIIngress:
         body was still being read or tokenized as the drain began was refused until stop 63."""
         with self._counting_failures():
             self._authorize(request)
-            self._refuse_if_draining()
+            if self.draining:
+                raise APIError(503, "the server is shutting down; send the request to another server",
+                               code="server_shutting_down")
             flight = Flight()
             self.live.add(flight)
             try:

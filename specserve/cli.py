@@ -492,39 +492,43 @@ def cmd_serve(args) -> int:
     gone = _ray_stopped_too(exited) if fresh else []
     if gone:  # nothing left to drain, or to shut down: the drain would wait on Ray's GCS for 60 s, then fail
         _say(f"Ray's own processes ({', '.join(gone)}) were stopped by the same signal (sent to the whole process "
-              "group, or by systemd's control-group kill): the requests in flight are lost; exiting. Signal this "
-              "process alone (under systemd: KillMode=mixed) for a drain", file=sys.stderr, flush=True)
+             "group, or by systemd's control-group kill): the requests in flight are lost; exiting. Signal this "
+             "process alone (under systemd: KillMode=mixed) for a drain", file=sys.stderr)
         os._exit(1)
     limit = args.shutdown_timeout + CUT_OFF_WAIT_S + 3 * DRAIN_CALL_S
     if not _bounded(lambda: drain(args.shutdown_timeout), limit):  # (Serve's controller not answering, say)
-        _say(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr, flush=True)
+        _say(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr)
     for what, step in (("Ray Serve", serve.shutdown), ("Ray", ray.shutdown)):
         t0 = time.monotonic()
         if not _bounded(step, SHUTDOWN_STEP_S):
             _say(f"{what} did not shut down within {SHUTDOWN_STEP_S:.0f} s; its threads, for a bug report:",
-                  file=sys.stderr, flush=True)
+                 file=sys.stderr)
             import faulthandler
             with contextlib.suppress(OSError, ValueError):
                 faulthandler.dump_traceback(file=sys.stderr)
         else:
-            _say(f"{what} stopped in {time.monotonic() - t0:.1f} s", flush=True)
-    _say("stopped", flush=True)
+            _say(f"{what} stopped in {time.monotonic() - t0:.1f} s")
+    _say("stopped")
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
     os._exit(0)  # threads that Ray or Serve left behind must not hold the process at exit
 
 
 SHUTDOWN_STEP_S = 60.0
+RAY_STOPPED_WAIT_S = 1.0  # for Ray's processes to exit, if the signal reached them too
+DRAIN_POLL_S = 0.25
+DRAIN_SETTLE_S = 0.5  # after the last completion's end is handed to Serve, for Serve to send it
+CUT_OFF_WAIT_S = 5.0  # for the ends of the completions cut off (their error events) to be sent
+DRAIN_CALL_S = 10.0  # a broadcast to the ingress replicas answers within this, or counts as not known
 
 
 def _say(*args, **kwargs) -> None:
     """print, for the shutdown: a stdout or stderr closed meanwhile (a pipe's reader gone) must not
     stop it (an exception there went to Ray's excepthook, which hung on Ray's GCS)."""
     try:
-        print(*args, **{**kwargs, "flush": True})
+        print(*args, **kwargs, flush=True)
     except (OSError, ValueError):
         pass
-RAY_STOPPED_WAIT_S = 1.0  # for Ray's processes to exit, if the signal reached them too
 
 
 def _ray_exited() -> set[str]:
@@ -546,10 +550,6 @@ def _ray_stopped_too(before: set[str]) -> list[str]:
         if gone or time.monotonic() > deadline:
             return gone
         time.sleep(0.1)
-DRAIN_POLL_S = 0.25
-DRAIN_SETTLE_S = 0.5  # after the last completion's end is handed to Serve, for Serve to send it
-CUT_OFF_WAIT_S = 5.0  # for the ends of the completions cut off (their error events) to be sent
-DRAIN_CALL_S = 10.0  # a broadcast to the ingress replicas answers within this, or counts as not known
 
 
 def drain(timeout_s: float) -> None:
@@ -562,7 +562,7 @@ def drain(timeout_s: float) -> None:
     try:
         ingress = serve.get_app_handle("specserve")
     except Exception as e:  # (the app gone already: nothing to drain)
-        _say(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})", flush=True)
+        _say(f"shutting down (the app did not answer: {last_line(e, type(e).__name__)})")
         return
     trouble: list[str] = []
 
@@ -582,26 +582,26 @@ def drain(timeout_s: float) -> None:
     t0 = time.monotonic()
     n = first = in_flight("drain")
     if n == 0 or timeout_s == 0:
-        _say("shutting down (Ctrl-C again to exit at once)", flush=True)
+        _say("shutting down (Ctrl-C again to exit at once)")
     else:
         what = f"{n} request(s) in flight" if n else f"the ingress did not answer ({trouble[-1]})"
         _say(f"shutting down: {what}; new ones get a 503; waiting up to {timeout_s:g} s for them to finish "
-              "(--shutdown-timeout; Ctrl-C again to exit at once)", flush=True)
+             "(--shutdown-timeout; Ctrl-C again to exit at once)")
     while n != 0 and time.monotonic() - t0 < timeout_s:
         time.sleep(DRAIN_POLL_S)
         n = in_flight("drain")
     if n != 0:
         n = in_flight("cut_off")
         _say(f"{'the' if n is None else n} request(s) still in flight after {timeout_s:g} s end with an error "
-              "(server_shutting_down)", flush=True)
+             "(server_shutting_down)")
         t1 = time.monotonic()
         while n != 0 and time.monotonic() - t1 < CUT_OFF_WAIT_S:
             time.sleep(DRAIN_POLL_S)
             n = in_flight("drain")
     elif first:
-        _say(f"the requests in flight finished in {time.monotonic() - t0:.1f} s", flush=True)
+        _say(f"the requests in flight finished in {time.monotonic() - t0:.1f} s")
     if trouble:
-        _say(f"an ingress replica did not answer the drain: {trouble[-1]}", file=sys.stderr, flush=True)
+        _say(f"an ingress replica did not answer the drain: {trouble[-1]}", file=sys.stderr)
     time.sleep(DRAIN_SETTLE_S)
 
 

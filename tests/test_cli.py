@@ -103,9 +103,9 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             proc.kill()
 
 
-def _serve_process(pair, *flags, new_session=False):
+def _start_serve(pair, *flags, new_session=False):
+    """`specserve serve` of this pair in a subprocess with a Ray of its own: (proc, port, Output)."""
     import socket
-    import time
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -115,7 +115,12 @@ def _serve_process(pair, *flags, new_session=False):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"},  # its own Ray, not the tests'
         start_new_session=new_session)
-    out = Output(proc)
+    return proc, port, Output(proc)
+
+
+def _serve_process(pair, *flags, new_session=False):
+    """As `_start_serve`, once it serves (its banner printed)."""
+    proc, port, out = _start_serve(pair, *flags, new_session=new_session)
     try:
         out.until("curl", timeout_s=240)
     except AssertionError:
@@ -339,18 +344,9 @@ def test_a_sigterm_while_the_command_starts_ends_it_with_143(tiny_pair_dir):
     """Ray's handlers took SIGTERM while `serve` started: a stack dump and exit 134, or exit 15,
     by when it came (until stop 63)."""
     import signal
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--target", tiny_pair_dir["target"], "--drafter",
-         tiny_pair_dir["drafter"], "--port", str(port), "--host", "127.0.0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"})
+    proc, _, out = _start_serve(tiny_pair_dir)
     try:
-        out = Output(proc)
         out.until("Started Serve", timeout_s=240)  # Ray is up; Serve starts, the app not yet
         assert "curl" not in out, out.text()
         proc.send_signal(signal.SIGTERM)
