@@ -91,6 +91,8 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "specserve-demo", "prompt": "def f(x):", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # HAProxy takes the requests to the ingress replica, not Serve's proxy actor (stop 64)
+        assert _listening(port) == "haproxy", out.text()
         proc.send_signal(signal.SIGINT)
         try:
             code = proc.wait(timeout=240)  # Serve and Ray shut down slowly on a loaded machine
@@ -98,9 +100,19 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_pair_dir):
             proc.kill()
             raise AssertionError("no exit 240 s after Ctrl-C; its output:\n" + out.rest(5))
         assert code == 0
+        assert _listening(port) is None  # nothing left holding the port
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _listening(port):
+    """The name of the process listening on this TCP port, or None."""
+    import psutil
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+            return psutil.Process(c.pid).name() if c.pid else "?"
+    return None
 
 
 def _start_serve(pair, *flags, new_session=False):

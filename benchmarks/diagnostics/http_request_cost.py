@@ -4,7 +4,8 @@ drafter plays no part) and, in this process, the engine of the same config (its 
 process); then, one request at a time, interleaved, the median
 milliseconds of:
 
-- `GET /v1/models`: the proxy and the ingress, nothing else;
+- `GET /v1/models`: HAProxy (Serve's proxy actor with RAY_SERVE_ENABLE_HA_PROXY=0 in the
+  environment: `specserve.cluster.pair.serve_through_haproxy`) and the ingress, nothing else;
 - a completion the ingress refuses (`max_tokens: 0`, a 400): the same plus reading the body;
 - a completion of 1 token and of 64 (greedy, ignore_eos), streamed and not, against
   `engine.generate` of the same prompt ids in process: the difference is what the HTTP path adds
