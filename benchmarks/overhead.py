@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import statistics
 import sys
@@ -32,6 +33,7 @@ from specserve.benchmarks.bench import add_dtype_arg, dtypes_line, resolved_dtyp
 from specserve.config import DEFAULT_MODEL_DIR, REPO_ROOT, SpecServeConfig
 
 MODES = ("plain", "speculative")
+PROXY = "Serve's proxy actor"  # (the HTTP entry until stop 64; RAY_SERVE_ENABLE_HA_PROXY=0 keeps it)
 
 
 @contextlib.contextmanager
@@ -194,7 +196,8 @@ def markdown(report: dict, command: str) -> str:
              f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, {report['max_tokens']} new tokens "
              f"each, greedy, ignore EOS, one request at a time, median of {report['repeats']} runs after a warm-up "
              "pass; every layer is up before any is timed, and the rows' runs are interleaved; one torch thread per model. In process: the engine with the drafter in the same process. "
-             "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client; "
+             "Distributed: Ray actors, drafts over gRPC. Served: the Serve app through the `openai` client "
+             f"(HTTP through {report.get('http_entry', PROXY)}: `specserve.cluster.pair.serve_through_haproxy`); "
              "colocated: the same app with `colocate: true` (the drafter in the replica's process).", "",
              "| layer: mode | tokens/s | runs |", "|---|---|---|"]
     for row, tps in report["tokens_per_s"].items():
@@ -222,8 +225,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=out_prefix, default=str(REPO_ROOT / "docs" / "benchmarks" / "overhead"))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    said = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")  # (before start_ray sets it: the command's own)
     report = bench(args)
-    report["command"] = ("specserve bench overhead " + shlex.join(argv)).strip()
+    report["http_entry"] = "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else PROXY
+    report["command"] = ((f"RAY_SERVE_ENABLE_HA_PROXY={said} " if said is not None else "")
+                         + "specserve bench overhead " + shlex.join(argv)).strip()
     write_results(args.out, report, markdown(report, report["command"]))
     return 0
 

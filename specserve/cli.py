@@ -452,10 +452,10 @@ def cmd_serve(args) -> int:
     try:
         serve.start(http_options={"host": host, "port": port})
     except Exception as e:  # HAProxy that could not start (a port another process took since): its own alerts
-        alerts = [line.split(":", 1)[-1].strip() for line in str(e).splitlines() if "[ALERT]" in line]
+        alerts = [m.group(1).strip() for m in re.finditer(r"\[ALERT\][^:]*:(.*)", str(e))]
         why = "; ".join(alerts) or last_line(e, type(e).__name__)
         hint = " (RAY_SERVE_ENABLE_HA_PROXY=0 in the environment runs Serve's proxy instead of HAProxy)" \
-            if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else ""
+            if alerts and fresh else ""
         raise CLIError(f"Serve's HTTP entry did not start: {why}{hint}") from None
     # (the HAProxy of the Ray started here, to stop on the ways out that skip Serve's shutdown)
     haproxy = f"/{ray.get_runtime_context().get_node_id()}/" \
@@ -473,8 +473,13 @@ def cmd_serve(args) -> int:
     try:
         serve.run(build_app(app_args), name="specserve", route_prefix="/", blocking=False)
     except Exception as e:  # a replica that could not start: a device it lacks, weights that do not load, ...
-        raise CLIError(f"the app did not start: {deploy_failure('specserve') or last_line(e, type(e).__name__)} "
-                       "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)") from None
+        error = CLIError(f"the app did not start: {deploy_failure('specserve') or last_line(e, type(e).__name__)} "
+                         "(the replica's log under /tmp/ray/session_latest/logs/serve has the rest)")
+        _without_serve(haproxy)
+        raise error from None
+    except BaseException:  # a Ctrl-C or SIGTERM (Terminated) while it starts
+        _without_serve(haproxy)
+        raise
     finally:
         said_by_run.removeFilter(quiet)
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::", "::1") else f"[{host}]" if ":" in host else host
@@ -545,6 +550,16 @@ def _say(*args, **kwargs) -> None:
         pass
 
 
+def _without_serve(haproxy: str | None) -> None:
+    """The way out before the banner, the app not started: Ray's own shutdown (as at exit), then
+    its HAProxy (`_stop_haproxy`), which Ray's shutdown alone left holding the port."""
+    if haproxy:
+        import ray
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        _stop_haproxy(haproxy)
+
+
 def _stop_haproxy(node_dir: str | None) -> None:
     """Kills the HAProxy processes of the local Ray this command started (their config under
     /tmp/haproxy-serve/<node id>/, `node_dir` that id between slashes; None: none of ours). Serve's
@@ -552,15 +567,20 @@ def _stop_haproxy(node_dir: str | None) -> None:
     and their HAProxy, in a session of its own, went on holding the port (stop 64)."""
     if not node_dir:
         return
+    killed: list[str] = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:  # (not a process, or gone)
             continue
-        if os.path.basename(argv[0]) == b"haproxy" and any(node_dir.encode() in arg for arg in argv):
+        if any(node_dir.encode() + b"haproxy.cfg" in arg for arg in argv):
             with contextlib.suppress(OSError):
                 os.kill(int(pid), 9)  # (SIGKILL)
+                killed.append(pid)
+    deadline = time.monotonic() + 1.0  # (gone, its port with it, before the command exits)
+    while any(os.path.exists(f"/proc/{pid}") for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _ray_exited() -> set[str]:
