@@ -252,6 +252,9 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
         method = spec.get("method")
         if method is not None and method not in SPECULATIVE_METHODS:
             raise _bad(f"'speculative.method' must be one of {SPECULATIVE_METHODS}", "speculative.method")
+        if method == "none" and spec.get("enabled") is True:  # (accepted, and run without speculation, until stop 64)
+            raise _bad("'speculative.method' \"none\" turns speculation off, against 'speculative.enabled': true; "
+                       "send one of them", "speculative.method")
         if method == "none":
             req.speculative = False
         # no proposer runs without speculation: its method is not checked against the deployment's

@@ -162,6 +162,8 @@ def test_strict_json_refuses_non_numbers_and_bad_bytes(raw):
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"prompt": "\ud800"}, "prompt"), ({"stop": "a\udfff"}, "stop"), ({"stop": ["y" * 257]}, "stop"), ({"stop": [1]}, "stop"),
     # integers too large for a float (JSON takes 4300 digits): a 500 until stop 62 (an OverflowError)
     ({"temperature": 10 ** 400}, "temperature"), ({"echo": 10 ** 400}, "echo"), ({"top_p": -10 ** 400}, "top_p"),
+    # speculation asked for and turned off in one body: accepted, and run plain, until stop 64
+    ({"speculative": {"enabled": True, "method": "none"}}, "speculative.method"),
 ])
 def test_absurd_values_are_400s(body, param):
     with pytest.raises(APIError) as e:
