@@ -134,7 +134,8 @@ def auto_bf16_head(dtype: str | torch.dtype, device: torch.device, role: str, pa
 
 def resolve_compile(compile: bool | str, device: torch.device) -> bool:
     """"auto": compile where it pays. On the reference CPU the compiled rows of
-    docs/benchmarks/runtime.md were slower than the eager ones (decoding there is bound by reading
+    docs/benchmarks/runtime_9145069.md, and the whole-stack compile measured since (README, "Compiling
+    the forward"), were slower than the eager ones (decoding there is bound by reading
     the weights); on a GPU, CUDA graphs remove the per-kernel launch cost that dominates
     small-batch decoding. So "auto" compiles on CUDA only."""
     if compile == "auto":

@@ -59,7 +59,8 @@ def resolve_pair(target: str | None, drafter: str | None, no_speculation: bool) 
         target, drafter = str(DEFAULT_MODEL_DIR / "target"), str(DEFAULT_MODEL_DIR / "drafter")
         if not os.path.isdir(target):
             raise CLIError(f"no --target given and the demo pair is not at {DEFAULT_MODEL_DIR} "
-                           "(run `specserve train-demo`, or pass --target/--drafter)")
+                           "(set SPECSERVE_MODEL_DIR to a folder with target/ and drafter/, pass --target/--drafter, "
+                           "or run `specserve train-demo` in a checkout)")
     if no_speculation:
         drafter = None
     elif drafter is None:
@@ -89,10 +90,10 @@ def add_device_args(p: argparse.ArgumentParser, default) -> None:
                    help="where the models run: auto (the GPU this process, or its Ray actor, holds; else the CPU), "
                         "cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
-                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), float32 otherwise)")
+                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), a drafter too small to pack float32 with a bfloat16 head; float32 otherwise)")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--compile", dest="compile", action="store_const", const=True, default=default,
-                   help="torch.compile the forward (default: auto, i.e. on a GPU only; see docs/benchmarks/runtime.md)")
+                   help="torch.compile the forward (default: auto, i.e. on a GPU only; why: README, \"Compiling the forward\")")
     c.add_argument("--no-compile", dest="compile", action="store_const", const=False,
                    help="run the forward eagerly")
     p.add_argument("--draft-vocab", dest="draft_vocab", type=_draft_vocab, default=default,

@@ -42,7 +42,7 @@ class SpecServeConfig:
     max_waiting: int = 64  # queued requests per pair beyond which new ones are refused (HTTP 503)
     max_model_len: int | None = None  # prompt + generated tokens (default: the models' context)
     num_pairs: int = 1  # Serve replicas, each one pair (drafter + verifier)
-    use_gpu: bool | None = None  # None: one GPU per actor when the Ray cluster has at least two
+    use_gpu: bool | None = None  # None: on GPUs when the Ray cluster has gpus_per_actor for each of the pair's actors
     cpus_per_actor: float = 1.0  # CPUs reserved per actor; also its torch thread count (at least 1)
     gpus_per_actor: float = 1.0  # when on GPUs: 0.5 puts both actors of a pair on one GPU
     placement_strategy: str = "PACK"  # of the pair's two placement-group bundles
@@ -52,7 +52,7 @@ class SpecServeConfig:
     drafter_hang_s: float = 60.0  # a drafter actor that runs but cannot be reached for this long after a failed call is restarted
     engine_hang_s: float | None = 300.0  # a pair whose engine loop has been in one step this long is restarted (None: never)
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <key>" (also: env SPECSERVE_API_KEY)
-    device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda
+    device: str = "auto"  # auto (the actor's GPU if it holds one, else CPU), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (bfloat16 on a GPU; on a CPU bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16), the drafter there float32 with a bfloat16 head; else float32), float32, bfloat16, float16
     q_dtype: str = "float32"  # q on the wire: float32, or bfloat16 / float16 for large vocabularies and batches
     compile: bool | str = "auto"  # torch.compile the forward: auto (on a GPU, where it pays), true, false
