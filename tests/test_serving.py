@@ -343,6 +343,37 @@ def test_disconnect_frees_the_sequence(server):
     assert metric(server, "specserve_pairs_reporting") >= 1
 
 
+def test_a_client_that_leaves_a_completion_cancels_it(server):
+    """A non-streamed completion whose client closes the connection is cancelled, its sequence
+    freed and counted as "cancelled", as a dropped stream's is. The request is sent as HTTP
+    clients send it, the body in a TCP segment after the headers': through Ray Serve's HAProxy
+    with its `option splice-request`, HAProxy never passed such a client's close on, the
+    completion ran to its end and HAProxy spun on the closed socket (stop 65, found with the
+    `openai` client's timeout; `cluster.pair.haproxy_without_splice` runs it without splicing)."""
+    import socket
+    from urllib.parse import urlsplit
+    cancelled = metric(server, "specserve_request_failures_total", '{status="cancelled"}')
+    finished = metric(server, "specserve_requests_total", '{finish_reason="length"}')
+    body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 480, "temperature": 0.9, "ignore_eos": True,
+                       "speculative": {"method": "none"}}).encode()
+    url = urlsplit(server)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(0.05)
+        s.sendall(body)
+        deadline = time.monotonic() + 10
+        while metric(server, "specserve_num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while metric(server, "specserve_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the abandoned completion is still running"
+        time.sleep(0.2)
+    assert metric(server, "specserve_request_failures_total", '{status="cancelled"}') == cancelled + 1
+    assert metric(server, "specserve_requests_total", '{finish_reason="length"}') == finished
+
+
 def test_unknown_paths_and_wrong_methods_have_the_openai_error_shape(server):
     import httpx
     missing = httpx.get(server + "/v1/nothing", timeout=30)
