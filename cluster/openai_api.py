@@ -181,8 +181,10 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
         if not all(_is_int(t) and t >= 0 for t in prompt):
             raise _bad("'prompt' must be a string or a list of non-negative token ids (one prompt per request)",
                        "prompt")
-    else:
+    elif prompt is None:
         raise _bad("'prompt' is required: a string or a list of token ids", "prompt", "missing_required_parameter")
+    else:  # (present but of another type: missing_required_parameter until stop 65)
+        raise _bad(f"'prompt' must be a string or a list of token ids, got {_shown(prompt)}", "prompt")
     # a completion's logprobs is a count, and 0 asks for the chosen tokens' own (vLLM gives them; accepted
     # here until stop 60, answered with null); chat's is a flag, which 0 leaves off
     if not chat and _is_number(body.get("logprobs")):  # (0.0 too, as vLLM takes it)
@@ -194,6 +196,8 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
             accepted = " or ".join(json.dumps(x) for x in inert if x is not None)
             raise _bad(f"'{name}' is not supported ({what}): it may be absent{' or ' + accepted if accepted else ''}, "
                        f"got {_shown(value)}", name, "unsupported_value")
+    if body.get("user") is not None and not isinstance(body["user"], str):  # (ignored, but OpenAI's is a string)
+        raise _bad(f"'user' must be a string, got {_shown(body['user'])}", "user")
     req = CompletionRequest(model=model, prompt=prompt)
     default = None if chat else 16
     # max_completion_tokens: OpenAI's newer name, which supersedes max_tokens (as in vLLM and SGLang: a client
@@ -203,7 +207,7 @@ def parse_completion(body, default_model: str, chat: bool = False) -> Completion
     req.temperature = float(_get(body, "temperature", 1.0, _is_number, lambda v: v == 0 or v >= MIN_TEMPERATURE,
                                  f"0 (greedy) or a number >= {MIN_TEMPERATURE}"))
     req.top_p = float(_get(body, "top_p", 1.0, _is_number, lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)")
+    top_k = _get(body, "top_k", 0, _is_int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)")
     req.top_k = max(top_k, 0)
     seed = _get(body, "seed", None, _is_int, lambda v: SEED_LOW <= v < SEED_HIGH, "a 64-bit integer")
     req.seed = None if seed is None else user_seed(seed)

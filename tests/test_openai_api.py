@@ -164,11 +164,24 @@ def test_strict_json_refuses_non_numbers_and_bad_bytes(raw):
     ({"temperature": 10 ** 400}, "temperature"), ({"echo": 10 ** 400}, "echo"), ({"top_p": -10 ** 400}, "top_p"),
     # speculation asked for and turned off in one body: accepted, and run plain, until stop 64
     ({"speculative": {"enabled": True, "method": "none"}}, "speculative.method"),
+    # a prompt of another type was missing_required_parameter until stop 65; a user not a string, a 200
+    ({"prompt": 5}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"user": 5}, "user"), ({"user": ["x"]}, "user"),
 ])
 def test_absurd_values_are_400s(body, param):
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "p", **body}, "m")
     assert e.value.status == 400 and e.value.param == param
+    if param in ("prompt", "user"):  # (present, of a wrong type: not a missing parameter)
+        assert e.value.code == "invalid_value"
+
+
+def test_a_prompt_missing_or_null_is_a_missing_parameter_and_a_user_string_is_accepted():
+    for body in ({"model": "m"}, {"model": "m", "prompt": None}):
+        with pytest.raises(APIError) as e:
+            parse_completion(body, "m")
+        assert (e.value.param, e.value.code) == ("prompt", "missing_required_parameter")
+    assert parse_completion({"model": "m", "prompt": "p", "user": "u-1"}, "m").prompt == "p"
+    assert parse_completion({"model": "m", "prompt": "p", "user": None}, "m").prompt == "p"
 
 
 @pytest.mark.parametrize("field,value", [("logprobs", 5), ("logprobs", 0), ("logprobs", 0.0), ("logprobs", True),
