@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from specserve.builder import start_drafter
 from specserve.config import DRAFTER_BUNDLE, TARGET_BUNDLE, SpecServeConfig
 from specserve.core.sampling import SamplingParams
-from specserve.verifier.engine import GenerationResult, Overloaded, RequestFailed, SpecStats
+from specserve.verifier.engine import GenerationResult, InvalidRequest, Overloaded, RequestFailed, SpecStats
 
 
 WORKER_NICENESS = "0"
@@ -111,6 +111,7 @@ def haproxy_wanted() -> bool:
         or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
 
 
+PLACEMENT_TIMEOUT_S = 120  # a pair's placement group not placed by then: TimeoutError, naming what is free
 HAPROXY_WRAPPER = "haproxy-nosplice"  # the script's name, in the user's cache folder (~/.cache/specserve)
 
 
@@ -209,11 +210,21 @@ class SpeculativePair:
         from specserve.verifier.actor import VerifierActor
 
         self.config = cfg = SpecServeConfig(target=target, drafter=drafter, pipeline=pipeline, **fields)
+        self.closed = False
         bundles = cfg.bundles()
         self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
         try:
-            ray.get(self.pg.ready(), timeout=120)
-        except BaseException:  # not placed in time: a pending group would take the resources once they appear
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:  # (until stop 65 Ray's bare "Get timed out: some object(s) not ready")
+            remove_placement_group(self.pg)
+            need = {r: sum(b.get(r, 0) for b in bundles) for r in ("CPU", "GPU")}
+            free, total = ray.available_resources(), ray.cluster_resources()
+            raise TimeoutError(
+                f"the pair's actors ({need['CPU']:g} CPUs, {need['GPU']:g} GPUs) were not placed within "
+                f"{PLACEMENT_TIMEOUT_S} s: the cluster has {free.get('CPU', 0):g} of {total.get('CPU', 0):g} CPUs and "
+                f"{free.get('GPU', 0):g} of {total.get('GPU', 0):g} GPUs free (other pairs or tasks hold the rest: "
+                "shut them down, or give Ray more)") from None
+        except BaseException:  # a pending group would take the resources once they appear
             remove_placement_group(self.pg)
             raise
 
@@ -248,6 +259,11 @@ class SpeculativePair:
         per-round timings). Cancel it with `cancel(request_id)`. k: at most the config's; method: as
         `engine.submit`'s (default: the drafter, or n-grams without one). Until stop 61 a pair without
         a drafter decoded plainly, where its config says n-gram drafting."""
+        self._open()
+        if not isinstance(sampling, SamplingParams):  # (an AttributeError until stop 65, as the engine's)
+            raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}", "sampling")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidRequest(f"a request id must be a non-empty string, got {request_id!r}", "id")
         prompt_ids = list(prompt_ids) if isinstance(prompt_ids, tuple) else prompt_ids  # (others: the engine says)
         return self.verifier.generate.remote(request_id or uuid.uuid4().hex, prompt_ids, max_new_tokens,
                                              sampling.to_dict(), k, ignore_eos, method)
@@ -265,17 +281,27 @@ class SpeculativePair:
 
     # (each waits at most timeout_s, then raises ray.exceptions.GetTimeoutError: until stop 52 a verifier
     # actor that ran but did not answer, a stopped process, hung its caller for good)
+    def _open(self) -> None:
+        """RequestFailed once `shutdown` ran (Ray's ActorDiedError, or an ObjectRef that only failed
+        when read, until stop 65)."""
+        if self.closed:
+            raise RequestFailed("the pair has been shut down")
+
     def cancel(self, request_id: str, timeout_s: float | None = CALL_TIMEOUT_S) -> bool:
+        self._open()
         return ray.get(self.verifier.cancel.remote(request_id), timeout=timeout_s)
 
     def load(self, timeout_s: float | None = CALL_TIMEOUT_S) -> dict:
         """Running / waiting sequences and free target slots of the verifier."""
+        self._open()
         return ray.get(self.verifier.load.remote(), timeout=timeout_s)
 
     def health(self, timeout_s: float | None = CALL_TIMEOUT_S) -> dict:
+        self._open()
         return ray.get(self.verifier.health.remote(), timeout=timeout_s)
 
     def shutdown(self) -> None:
+        self.closed = True
         # a drafter the verifier recreated is owned by the verifier process and dies with it
         for actor in (self.verifier, self.drafter and self.drafter.actor):
             if actor is not None:

@@ -345,7 +345,10 @@ def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding")
+# FastAPI's /docs, /redoc and /openapi.json off: the routes are README's, every other path the API's 404
+# (until stop 65 those three answered, /docs a page that loads its script from a CDN)
+app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding", docs_url=None,
+              redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(APIError)

@@ -57,10 +57,12 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2 ** 64):
+                                      or not SEED_LOW <= self.seed < SEED_HIGH):
             # (the wire's field is a uint64: a seed outside it made a remote drafter refuse the request,
             # which then ran without speculation, silently, until stop 51)
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+            raise ValueError(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed!r}")
+        if self.seed is not None:  # as the HTTP API and the CLI take it (until stop 65 a negative seed was refused
+            object.__setattr__(self, "seed", user_seed(self.seed))  # here, and one >= 2**63 gave another text)
         if not all(is_token_id(t) for t in self.stop_token_ids):
             # (1.7 was taken as 1, and -5 kept, until stop 61)
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)!r}")

@@ -15,7 +15,7 @@ from specserve.config import SpecServeConfig
 from specserve.training.tiny import make_tiny_pair, tiny_model, tiny_tokenizer
 from specserve.core.runner import ModelRunner
 from specserve.core.sampling import SamplingParams
-from specserve.verifier.engine import SpeculativeEngine
+from specserve.verifier.engine import RequestFailed, SpeculativeEngine
 
 
 @pytest.fixture(scope="module")
@@ -329,8 +329,27 @@ def test_a_pair_without_a_drafter_drafts_n_grams(ray_session, pairs):
         assert r.stats.num_drafts > 0 and sum(r.stats.rounds_by_k[4:]) == 0, r.stats
         plain = pair.generate(prompt, 16, SamplingParams(), k=3, method="none")
         assert plain.stats.num_drafts == 0 and plain.token_ids == r.token_ids
+        # stop 65's user trial: a sampling that is no SamplingParams was an AttributeError, a request id
+        # that is no string taken; after shutdown, Ray's ActorDiedError (or, from submit, an ObjectRef)
+        with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+            pair.generate(prompt, 4, None, k=3)
+        with pytest.raises(ValueError, match="request id must be a non-empty string"):
+            pair.submit(prompt, 4, SamplingParams(), k=3, request_id=5)
     finally:
         pair.shutdown()
+    for call in (lambda: pair.generate(prompt, 4, SamplingParams()), lambda: pair.submit(prompt, 4),
+                 pair.health, pair.load, lambda: pair.cancel("x")):
+        with pytest.raises(RequestFailed, match="the pair has been shut down"):
+            call()
+
+
+def test_a_pair_that_cannot_be_placed_says_what_is_free(ray_session, pairs, monkeypatch):
+    """Until stop 65: Ray's bare GetTimeoutError after 120 s (a user's second pair on a full Ray)."""
+    import specserve.cluster.pair as pair_module
+    monkeypatch.setattr(pair_module, "PLACEMENT_TIMEOUT_S", 1)
+    said = r"\(2000 CPUs, \d+ GPUs\) were not placed within 1 s: the cluster has \d+ of \d+ CPUs"
+    with pytest.raises(TimeoutError, match=said):
+        SpeculativePair(pairs[0][0], pairs[0][1], cpus_per_actor=1000)
 
 
 def drafter_empties(pair, within_s: float = 10.0) -> bool:

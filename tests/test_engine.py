@@ -178,6 +178,36 @@ def test_bad_requests_raise_value_error():
     assert engine.generate([1, 2], 3, SamplingParams(), 0, method="draft_model").token_ids
 
 
+def test_the_python_api_s_wrong_arguments_and_a_stopped_engine_say_so():
+    """From stop 65's user trial: a sampling that is no SamplingParams was an AttributeError, a
+    request id that is no string (or empty) was taken, a negative prompt id was "other things",
+    a seed that HTTP and the CLI take (negative, or past 2**63: both modulo 2**63) was refused or
+    gave another text, and a stopped engine's health said "ok"."""
+    target = tiny_model("llama", V, seed=7, max_positions=64)
+    engine = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
+    for bad in (None, {"temperature": 0}):
+        with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+            engine.generate([1, 2], 3, bad, 0)
+    for bad_id in (5, ""):
+        with pytest.raises(ValueError, match="request id must be a non-empty string"):
+            engine.submit([1, 2], 3, SamplingParams(), 0, request_id=bad_id)
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
+        engine.generate([-1, 5], 3, SamplingParams(), 0)
+    assert SamplingParams(seed=-1).seed == SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 63 - 1
+    assert SamplingParams(seed=2 ** 63 + 7).seed == 7 and SamplingParams(seed=-2 ** 63).seed == 0
+    for bad_seed in (-2 ** 63 - 1, 2 ** 64):
+        with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+            SamplingParams(seed=bad_seed)
+    sampled = dict(temperature=0.9)
+    assert engine.generate([1, 2], 6, SamplingParams(seed=-1, **sampled), 0).token_ids == \
+        engine.generate([1, 2], 6, SamplingParams(seed=2 ** 63 - 1, **sampled), 0).token_ids
+    assert engine.health() == {"status": "ok"}
+    engine.stop()
+    assert engine.health()["status"] == "dead"
+    with pytest.raises(RequestFailed):
+        engine.generate([1, 2], 3, SamplingParams(), 0)
+
+
 def test_a_cancel_while_its_request_is_being_admitted_is_not_lost():
     """A request the loop has taken off the queue and not yet started is still found by `cancel`
     (until stop 47 it was in neither list then: cancel returned False, and a client that had gone

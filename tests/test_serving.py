@@ -378,6 +378,8 @@ def test_unknown_paths_and_wrong_methods_have_the_openai_error_shape(server):
     import httpx
     missing = httpx.get(server + "/v1/nothing", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    for path in ("/docs", "/redoc", "/openapi.json"):  # (FastAPI's own: answered until stop 65)
+        assert httpx.get(server + path, timeout=30).json()["error"]["code"] == "not_found"
     wrong = httpx.get(server + "/v1/completions", timeout=30)  # (its code was null until stop 63)
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
