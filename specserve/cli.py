@@ -90,7 +90,7 @@ def add_device_args(p: argparse.ArgumentParser, default) -> None:
                    help="where the models run: auto (the GPU this process, or its Ray actor, holds; else the CPU), "
                         "cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=default,
-                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), a drafter too small to pack float32 with a bfloat16 head; float32 otherwise)")
+                   help="model weights and activations (auto: bfloat16 on a GPU; on a CPU, bfloat16 for each model the lean forward packs, where the CPU multiplies bf16 in hardware (AMX or AVX512-BF16), the drafter there float32 with a bfloat16 head; float32 otherwise)")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--compile", dest="compile", action="store_const", const=True, default=default,
                    help="torch.compile the forward (default: auto, i.e. on a GPU only; why: README, \"Compiling the forward\")")

