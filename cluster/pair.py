@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from specserve.builder import start_drafter
 from specserve.config import DRAFTER_BUNDLE, TARGET_BUNDLE, SpecServeConfig
 from specserve.core.sampling import SamplingParams
-from specserve.verifier.engine import GenerationResult, InvalidRequest, Overloaded, RequestFailed, SpecStats
+from specserve.verifier.engine import GenerationResult, Overloaded, RequestFailed, SpecStats, check_call
 
 
 WORKER_NICENESS = "0"
@@ -91,14 +91,17 @@ def serve_through_haproxy() -> None:
     if wrapper is None:  # (Serve's proxy cancels such a completion: better than HAProxy with splicing)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
         user = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-        why = (f"RAY_SERVE_HAPROXY_BINARY_PATH={user!r} is no executable file" if binary is None and user
-               and not _our_script(user) else "no HAProxy binary here" if binary is None else
-               "no executable script to run it without splicing could be written (a read-only or noexec "
-               "cache and temporary folder)")
-        if binary is not None or user:  # (no binary and none asked for: Serve's proxy, as it always was)
-            logging.getLogger(__name__).warning(
-                f"HAProxy is not used for a Ray started here: {why} (see specserve.cluster.pair."
-                "serve_through_haproxy); HTTP goes through Serve's proxy")
+        if binary is not None:
+            why = ("no executable script to run it without splicing could be written (a read-only or noexec "
+                   "cache and temporary folder)")
+        elif user and not _our_script(user):
+            why = f"RAY_SERVE_HAPROXY_BINARY_PATH={user!r} is no executable file"
+        elif user:
+            why = "no HAProxy binary here"
+        else:  # (no binary, and none asked for: Serve's proxy, as it always was)
+            return
+        logging.getLogger(__name__).warning(f"HAProxy is not used for a Ray started here: {why} (see specserve."
+                                            "cluster.pair.serve_through_haproxy); HTTP goes through Serve's proxy")
         return
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ["SPECSERVE_HAPROXY_BINARY"] = binary  # (a later start, here or in a child, wraps the same one)
@@ -307,10 +310,7 @@ class SpeculativePair:
         `engine.submit`'s (default: the drafter, or n-grams without one). Until stop 61 a pair without
         a drafter decoded plainly, where its config says n-gram drafting."""
         self._open()
-        if not isinstance(sampling, SamplingParams):  # (an AttributeError until stop 65, as the engine's)
-            raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}", "sampling")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise InvalidRequest(f"a request id must be a non-empty string, got {request_id!r}", "id")
+        check_call(sampling, request_id)  # (before sampling.to_dict(): the engine's own check, here)
         prompt_ids = list(prompt_ids) if isinstance(prompt_ids, tuple) else prompt_ids  # (others: the engine says)
         return self.verifier.generate.remote(request_id or uuid.uuid4().hex, prompt_ids, max_new_tokens,
                                              sampling.to_dict(), k, ignore_eos, method)

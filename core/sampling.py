@@ -25,12 +25,18 @@ MIN_TEMPERATURE = 1e-3
 SEED_LOW, SEED_HIGH, SEED_RANGE = -2 ** 63, 2 ** 64, 2 ** 63
 
 
-def is_token_id(t) -> bool:
+def is_int_like(t) -> bool:
     """An int-like (an int, a numpy or 0-d torch integer: `operator.index` takes it), not a bool."""
     try:
-        return not isinstance(t, bool) and operator.index(t) >= 0
+        operator.index(t)
+        return not isinstance(t, bool)
     except TypeError:
         return False
+
+
+def is_token_id(t) -> bool:
+    """An int-like that is >= 0."""
+    return is_int_like(t) and operator.index(t) >= 0
 
 
 def user_seed(seed: int) -> int:

@@ -48,7 +48,7 @@ from typing import Callable
 
 from specserve.core.proposer import MAX_K, CapacityError, Draft, ProposeItem, Proposer
 from specserve.core.runner import ModelRunner
-from specserve.core.sampling import SamplingParams, request_generator, warp
+from specserve.core.sampling import SamplingParams, is_int_like, request_generator, warp
 from specserve.verifier.acceptance import accept_batch, accept_greedy
 from specserve.verifier.ngram import NgramProposer
 from specserve.verifier.policy import (CATCH_UP_TOKENS, PROFILE_SETTLE, Acceptance, PassCosts, SpeculationPolicy,
@@ -173,18 +173,18 @@ class InvalidRequest(ValueError):
         return type(self), (str(self), self.param, self.code)
 
 
-def _int_like(t) -> bool:
-    """An int (or a numpy or 0-d torch integer), not a bool, of any sign: the range is checked apart."""
-    try:
-        operator.index(t)
-        return not isinstance(t, bool)
-    except TypeError:
-        return False
+def check_call(sampling, request_id) -> None:
+    """InvalidRequest for a Python caller's sampling that is no SamplingParams (an AttributeError
+    until stop 65) or a request id that is no non-empty string (taken)."""
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}", "sampling")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise InvalidRequest(f"a request id must be a non-empty string, got {request_id!r}", "id")
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, k: int, max_length: int, vocab_size: int) -> None:
     """Raises InvalidRequest with a user-facing message for a request that cannot run."""
-    if not isinstance(prompt_ids, (list, tuple)) or not all(_int_like(t) for t in prompt_ids):
+    if not isinstance(prompt_ids, (list, tuple)) or not all(is_int_like(t) for t in prompt_ids):  # (the range apart)
         # (a string, a tensor or floats: a TypeError or "truth value ... ambiguous" until stop 61)
         raise InvalidRequest(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}"
                              + (" holding other things" if isinstance(prompt_ids, (list, tuple)) else ""), "prompt")
@@ -364,10 +364,7 @@ class SpeculativeEngine:
         method); method: its proposer (METHODS; default: the engine's).
         ignore_eos: stop only at max_new_tokens or a stop token id (benchmarks, vLLM's extension).
         timeout_s: fail the request (RequestTimeout) after this long (default: the engine's)."""
-        if not isinstance(sampling, SamplingParams):  # (an AttributeError until stop 65)
-            raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}", "sampling")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise InvalidRequest(f"a request id must be a non-empty string, got {request_id!r}", "id")
+        check_call(sampling, request_id)
         seeded = not sampling.greedy and sampling.seed is not None
         method = self.default_method if method is None else method
         if method not in METHODS:
