@@ -80,14 +80,25 @@ def test_policy_turns_speculation_off_under_load_with_hysteresis():
     # at batch 1 with free drafting, the wide pass is the same price per token: speculation pays
     flat = SpeculationPolicy("adaptive", PassCosts({(1, 1): 1e-3, (1, 5): 1.2e-3}))
     assert flat.choose([4], fair[:1], ["ngram"]) == [4] and flat.on
-    # hysteresis: a 3% predicted gain does not switch a policy that is off back on
-    tie = SpeculationPolicy("adaptive", PassCosts({(1, 1): 1.0, (1, 2): 1.0}))
+    # at two sequences, speculation must be predicted to gain GAIN_MARGIN (10%), with hysteresis
+    # either side: a predicted gain of 10% switches a policy that is off on no more than one that is on off
+    tie = SpeculationPolicy("adaptive", PassCosts({(b, w): 1.0 for b in (1, 2) for w in (1, 2)}))
     tie.on = False
-    lukewarm = Acceptance(accepted=30.0, trials=1000.0)
-    assert 1.0 < expected_tokens(lukewarm.rate(0.5), 1) < 1.04
-    assert tie.choose([1], [lukewarm], ["ngram"]) == [0]
-    tie.on = True  # ... nor one that is on off: no flapping around the break-even point
-    assert tie.choose([1], [lukewarm], ["ngram"]) == [1]
+    lukewarm = Acceptance(accepted=100.0, trials=1000.0)
+    assert 1.09 < expected_tokens(lukewarm.rate(0.7), 1) < 1.11
+    assert tie.choose([1, 1], [lukewarm] * 2, ["ngram"] * 2) == [0, 0]
+    tie.on = True  # ... nor one that is on off: no flapping around the margin
+    assert tie.choose([1, 1], [lukewarm] * 2, ["ngram"] * 2) == [1, 1]
+    # a predicted gain of 3% turns speculation off there: below the margin
+    cold = Acceptance(accepted=30.0, trials=1000.0)
+    assert 1.0 < expected_tokens(cold.rate(0.7), 1) < 1.04
+    assert tie.choose([1, 1], [cold] * 2, ["ngram"] * 2) == [0, 0] and not tie.on
+    warm = Acceptance(accepted=200.0, trials=1000.0)  # and 20% turns it on
+    assert tie.choose([1, 1], [warm] * 2, ["ngram"] * 2) == [1, 1] and tie.on
+    # at one sequence there is no margin: 10% turns speculation on, 3% (within the hysteresis) leaves it on
+    tie.on = False
+    assert tie.choose([1], [lukewarm], ["ngram"]) == [1] and tie.on
+    assert tie.choose([1], [cold], ["ngram"]) == [1]
     assert SpeculationPolicy("fixed").choose([3, 0, 2], [Acceptance()] * 3, ["a", None, "a"]) == [3, 0, 2]
 
 
@@ -427,6 +438,25 @@ def test_calibration_follows_round_times(slowdown):
         assert chosen[-50:].count(0) >= 40  # (off; a calibration not re-measured drifts back, so it retries now and then)
 
 
+def test_one_slow_round_moves_a_new_calibration_only_part_way():
+    """A calibration starts where the model stood (the nearest batch size's, 1 before any) with
+    CAL_PRIOR_ROUNDS rounds' weight: until stop 66 its first round set it alone, and one plain round
+    at four sequences that took twice the model's time (a slow spell) halved plain decoding's rate
+    in the model and turned speculation on where it lost."""
+    from specserve.verifier.policy import CAL_PRIOR_ROUNDS
+    policy = SpeculationPolicy("adaptive", PassCosts({(b, w): 1e-3 for b in (1, 8) for w in (1, 5)}))
+    policy.predicted = (4, False, 5e-3)
+    policy.observe_round(10e-3)
+    assert 0.85 < policy.calibration(4, False) < 0.95  # (0.5 until stop 66)
+    for _ in range(100):  # rounds that keep taking twice the model's time: it follows
+        policy.predicted = (4, False, 5e-3)
+        policy.observe_round(10e-3)
+    assert policy.calibration(4, False) < 0.55
+    policy.predicted = (5, False, 5e-3)  # a new batch size: from its nearest's calibration
+    policy.observe_round(5e-3)
+    assert 0.5 < policy.calibration(5, False) < 0.6 and CAL_PRIOR_ROUNDS >= 4
+
+
 def test_a_drafter_that_prepares_drafts_is_expected_to_have_some_ready_before_any_is_measured():
     """A fresh engine has the drafter's profiled on-demand cost but no measured hit rate. With a
     drafter that pipelines, the policy starts from PRIOR_READY (weighing one round) instead of 0:
@@ -678,11 +708,11 @@ def _guarded_run(on_rate: float, off_rate: float, b: int, gain: float, rounds: i
 
 
 def test_the_guard_turns_speculation_off_where_plain_rounds_wrote_more():
-    """The model expects +15% from speculating at 8 sequences; the rounds say plain decoding writes
+    """The model expects +20% from speculating at 8 sequences; the rounds say plain decoding writes
     1.3x as much. The guard tries plain rounds once, vetoes speculation there for GUARD_HOLD
     rounds (no probes either), then lets the model try again and vetoes for twice as long."""
     from specserve.verifier.policy import GUARD_HOLD, GUARD_MIN_ROUNDS
-    policy, chosen = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.15, rounds=1200)
+    policy, chosen = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.2, rounds=1200)
     assert chosen[0] > 0  # the model's choice, before anything was measured
     first = chosen.index(0)
     assert first <= GUARD_MIN_ROUNDS + 2  # the trial of plain rounds, once speculating was measured
@@ -697,7 +727,7 @@ def test_the_guard_turns_speculation_off_where_plain_rounds_wrote_more():
     assert not policy.guard.vetoed(4, now) and not policy.guard.vetoed(5, now)
 
 
-@pytest.mark.parametrize("b,gain,tried", [(8, 1.15, True), (1, 1.6, False)])
+@pytest.mark.parametrize("b,gain,tried", [(8, 1.2, True), (1, 1.6, False)])
 def test_the_guard_leaves_speculation_on_where_it_wrote_more(b, gain, tried):
     """Where speculating writes more than plain decoding, the guard never vetoes it; where the
     model expects a clear gain (1.6x at one sequence), it does not even try plain rounds."""
@@ -713,7 +743,7 @@ def test_the_guard_keeps_speculation_on_where_it_measured_a_clear_win():
     changed to say speculating loses, 0.75x), and measures plain decoding afresh after; without
     the keep (until stop 39) the model's k = 0 held (batching_6514ef5.md at one sequence)."""
     from specserve.verifier.policy import GUARD_HOLD
-    policy, chosen = _guarded_run(on_rate=1500.0, off_rate=1000.0, b=2, gain=1.15, rounds=300)
+    policy, chosen = _guarded_run(on_rate=1500.0, off_rate=1000.0, b=2, gain=1.2, rounds=300)
     guard = policy.guard
     assert guard.keeps(2, policy.rounds) and guard.rate(2, False) is None  # plain's measurement dropped
     wide = policy.costs(2, 1) * 4.0  # from here the model expects speculating to lose (0.75x)
@@ -733,6 +763,9 @@ def test_the_guard_keeps_speculation_on_where_it_measured_a_clear_win():
     # plain rounds until plain decoding is measured (43 here), then the comparison keeps speculation on again
     assert after[0] == 0 and 0 < after.count(0) < 60 and after[-1] > 0 and guard.keepings >= 2
     assert guard.keeps(2, policy.rounds)
+    # 1.2x is no clear win (GUARD_KEEP_MARGIN; 0.10 until stop 66): compared (after a trial), not kept
+    policy, _ = _guarded_run(on_rate=1200.0, off_rate=1000.0, b=2, gain=1.2, rounds=300)
+    assert policy.guard.tried and policy.guard.keepings == 0 and policy.guard.vetoes == 0
 
 
 def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
@@ -750,7 +783,7 @@ def test_the_guard_does_not_veto_on_a_few_lucky_plain_rounds_at_one_sequence():
 def test_rounds_with_seeded_rows_count_for_nothing_in_the_guard():
     """Seeded rows draft their k whatever the mode, so such a round is not measured as either,
     nor does its time calibrate the model (until stop 50 it calibrated the free rows' choice)."""
-    policy, _ = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.15, rounds=40)
+    policy, _ = _guarded_run(on_rate=1000.0, off_rate=1300.0, b=8, gain=1.2, rounds=40)
     rows = [Acceptance() for _ in range(8)]
     for _ in range(3):  # (the free rows' k settles: a change of k calibrates nothing anyway)
         ks = policy.choose([4] * 8, rows, ["ngram"] * 8, fixed=[True] * 6 + [False] * 2)
@@ -779,6 +812,44 @@ def test_the_guard_times_rounds_without_the_prefill_of_joining_requests():
     while not all(r.done.is_set() for r in reqs):
         engine.step()
     assert all(r.result().token_ids == plain(target, [3, 4, 5] * 60, 8) for r in reqs)
+
+
+def test_the_hit_rate_learns_only_from_rounds_right_after_a_drafted_one():
+    """h, the chance that pipelining has a row's draft ready after an all-accepted round, learns
+    from drafted rounds right after a drafted one: after plain rounds nothing prepared can match,
+    and until stop 66 each such round counted a miss (the less the policy drafted, the dearer
+    drafting looked to it). Here the target drafts for itself (all accepted, the bonus guessed right):
+    every round after a drafted one is a hit, and the first after a veto's plain rounds is not counted."""
+    from test_pipeline import SpeculateEveryRound
+    target = tiny_model("llama", V, seed=19)
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), SpeculateEveryRound(DraftModelProposer(ModelRunner(target, slots=2))),
+                               eos_ids=set(), speculation="adaptive", max_k=4)
+    policy, guard = engine.policy, engine.policy.guard
+    policy.prepared.add("draft_model")  # (as for a drafter server that pipelines)
+    policy.costs = PassCosts({(1, w): 0.05 for w in (1, 2, 3, 4, 5)})  # passes dear, wide ones no dearer,
+    policy.draft_costs.clear()
+    policy.observe_draft("draft_model", 1, 1, 0.0)  # drafting free: the model speculates
+    req = engine.submit([5, 6, 7], 120, SamplingParams(), k=4)
+
+    def counted():
+        h = policy.hit_rates.get("draft_model")
+        return (h.accepted, h.trials) if h else (0.0, 0.0)
+
+    for _ in range(4):
+        engine.step()
+    assert req.stats.rounds_by_k[4] == 4 and counted()[1] > 0 and counted()[0] == counted()[1]  # all hits
+    guard.until[guard.bucket(1)] = policy.rounds + 6  # six plain rounds
+    while policy.rounds < guard.until[guard.bucket(1)]:
+        engine.step()
+    before, drafted = counted(), sum(req.stats.rounds_by_k[1:])
+    engine.step()  # drafting again: its draft was not prepared (a miss), and h does not count it
+    assert sum(req.stats.rounds_by_k[1:]) == drafted + 1 and req.stats.num_pipeline_hits == 3
+    assert counted() == before
+    engine.step()  # right after a drafted round: a hit, counted
+    assert req.stats.num_pipeline_hits == 4 and counted()[1] > before[1] and counted()[0] > before[0]
+    while not req.done.is_set():
+        engine.step()
+    assert req.result().token_ids == plain(target, [5, 6, 7], 120)
 
 
 def test_the_drafter_rests_under_a_veto_and_is_caught_up_before_it_drafts_again():
@@ -828,10 +899,10 @@ def test_the_drafter_rests_under_a_veto_and_is_caught_up_before_it_drafts_again(
 def test_the_guard_does_not_veto_at_a_near_tie():
     """Speculating measured at 0.98 of plain decoding is no reason for a veto (GUARD_MARGIN): the
     guard compares the modes and leaves speculation on; at 0.9 it vetoes."""
-    policy, chosen = _guarded_run(on_rate=980.0, off_rate=1000.0, b=8, gain=1.15, rounds=600)
+    policy, chosen = _guarded_run(on_rate=980.0, off_rate=1000.0, b=8, gain=1.2, rounds=600)
     assert policy.guard.rate(8, True) is not None and policy.guard.rate(8, False) is not None
     assert policy.guard.vetoes == 0 and chosen[-100:].count(0) < 20
-    policy, _ = _guarded_run(on_rate=900.0, off_rate=1000.0, b=8, gain=1.15, rounds=600)
+    policy, _ = _guarded_run(on_rate=900.0, off_rate=1000.0, b=8, gain=1.2, rounds=600)
     assert policy.guard.vetoes >= 1
 
 
@@ -841,7 +912,7 @@ def test_a_marginal_loss_holds_the_veto_a_quarter_as_long():
     from specserve.verifier.policy import GUARD_HOLD
 
     def first_veto(on_rate):
-        policy, chosen = _guarded_run(on_rate=on_rate, off_rate=1000.0, b=8, gain=1.15, rounds=GUARD_HOLD + 200)
+        policy, chosen = _guarded_run(on_rate=on_rate, off_rate=1000.0, b=8, gain=1.2, rounds=GUARD_HOLD + 200)
         first = chosen.index(0)
         resumed = next(i for i in range(first + 1, len(chosen)) if chosen[i] and not chosen[i - 1])
         return policy, resumed - first

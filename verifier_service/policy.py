@@ -28,7 +28,7 @@ sequences drafting k tokens each,
   `DraftCosts`) until calls at several k say otherwise. A row's draft is ready when its last round
   accepted every draft and the drafter's guess of the bonus token was right: probability
   A_i(k) * h, A_i(k) = prod_{l<=k} a_l * s_i and h the proposer's measured hit rate after an
-  all-accepted round (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
+  all-accepted drafting round, in the round right after it (0 for a proposer that does not pipeline; PRIOR_READY, weighing one round,
   before any is measured for one that does, so a fresh server does not start at k = 0). So
   D(b, k) = P * H + (1 - P) * M(b, k), P = prod_i A_i(k) * h: hits hide drafting only at small
   batches and short k, which is where pipelining pays. Where P is below PREPARE_MIN_READY (at
@@ -48,9 +48,18 @@ seconds, per batch size with and without drafting, calibrates the model's rates 
 token counts: those are random per round, and acceptance has its own estimates).
 
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
-min(k, its request's k, tokens it has left). k = 0 (plain decoding) is chosen when it pays, with
-hysteresis: speculation switches off only when plain decoding is `HYSTERESIS` faster by the
-model, and back on likewise, so it does not flap; k itself changes only for a predicted 5% gain
+min(k, its request's k, tokens it has left). At two sequences or more, k = 0 (plain decoding) is
+chosen unless speculating is predicted to gain GAIN_MARGIN, with hysteresis: speculation switches
+on for a predicted gain of GAIN_MARGIN + HYSTERESIS and off below GAIN_MARGIN - HYSTERESIS, so it
+does not flap (at one sequence the margin is 0: on above 1.05x, off below 0.95x, as at every batch
+size until stop 66). The margin stands for what the model gets wrong where sequences share a pass:
+in stop 66's scratch runs at four sequences, where the model rated speculating at 1.0-1.25x plain
+decoding, fixed k = 4 ran 0.89x plain in its rounds of four sequences (the model's tokens a round
+about 10% high, plain decoding's rate 12% low) and 0.76-0.87x over the level, while at one
+sequence the model was about right (speculating 1.2-1.5x plain) and a margin there turned
+speculation off for most of a level where fixed k ran 1.2x plain (the same runs). Erring towards
+plain decoding where the gain is small costs a little of a small gain; speculating where it
+loses costs up to a fifth. k itself changes only for a predicted 5% gain
 (a draft prepared by pipelining for the old k is then still usable). Probe rounds draft the most
 k, on or off, to keep the estimates of acceptance and drafting cost current for every k: the
 first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
@@ -99,7 +108,8 @@ from dataclasses import dataclass
 
 POLICIES = ("adaptive", "fixed")
 MIN_CONFIDENCE = 0.0  # adaptive: stop a draft before a position whose top q is below this (0: off)
-HYSTERESIS = 0.05  # switch speculation on/off only for a predicted gain of 5%
+HYSTERESIS = 0.05  # either side of the margin: speculation turns on above 1.15x plain by the model, off below 1.05x
+GAIN_MARGIN = 0.10  # at two sequences or more, speculating must be predicted this much ahead of plain decoding
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of its proposer's acceptance rate in a sequence's estimate
 EMA = 0.1  # weight of a new measured pass time (and call, and round overhead)
@@ -110,6 +120,12 @@ SLOPE_PRIOR_WEIGHT = 4.0  # M(k)'s slope: the startup profile's weighs as much a
 # 38-43 ms, against 4-17 ms fitted at 4 and 8, and that fit stood for the rest of the run
 LEVEL_PRIOR_CALLS = 2
 CAL_DECAY = 0.95  # calibration: per round, of the summed model and measured seconds
+# a new calibration starts at the nearest batch size's (1 before any) with this many rounds' weight (of 20
+# at most: 1 / (1 - CAL_DECAY)): until
+# stop 66 its first round set it alone, and one plain round at four sequences that took 2x the model's
+# time (the machine's slow spell) made plain decoding look half as fast and turned speculation on there,
+# where fixed k ran 0.8x plain (scratch runs of stop 66)
+CAL_PRIOR_ROUNDS = 8.0
 RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
 MAX_PROBE_BACKOFF = 4  # the probe interval doubles up to 2**4 times while probes confirm the decision
@@ -128,7 +144,7 @@ MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
 GUARD_CLEAR_LOSS = 0.85  # speculating below this of plain decoding holds the veto GUARD_HOLD rounds; a loss between
 # this and 1 - GUARD_MARGIN, which may be noise, holds it a quarter as long (see Guard)
-GUARD_KEEP_MARGIN = 0.10  # speculating measured this much above plain decoding keeps it on GUARD_HOLD rounds (see Guard)
+GUARD_KEEP_MARGIN = 0.25  # speculating measured this much above plain decoding keeps it on GUARD_HOLD rounds (see Guard)
 TRIAL_EVERY = 256  # rounds before a trial of plain rounds at a bucket is tried again (if it measured nothing)
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
@@ -427,7 +443,12 @@ class Guard:
     in batching_6514ef5.md the pair's model, its miss cost put at 15 ms on a slow day, chose k = 0
     in 179 of 419 rounds at one sequence, rating plain decoding at about 165 tok/s and speculating
     at 133, while the guard had measured speculating ahead (0.82 worth per second against 0.72);
-    that row ran 1.05x plain, fixed k 1.18x."""
+    that row ran 1.05x plain, fixed k 1.18x. Until stop 66 the margin was 0.10: in two of four
+    scratch batching runs that stop it kept speculation on at four sequences, where fixed k ran
+    0.76-0.80x plain in the same minutes (plain rounds measured in a slow spell of the machine,
+    50% slower than the plain row's a second later, against speculating measured in a fast one),
+    and the level ran at 0.74-0.77x plain. Where speculating really pays at one sequence it measures
+    1.3-1.6x plain decoding, above the margin."""
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
@@ -609,10 +630,11 @@ class SpeculationPolicy:
         if 0 < self.k < len(rates) and rates[best] <= (1 + HYSTERESIS) * rates[self.k]:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
         self.k = best
+        margin = GAIN_MARGIN if b > 1 else 0.0
         if self.on:
-            self.on = rates[0] <= (1 + HYSTERESIS) * rates[best]
+            self.on = rates[best] >= (1 + margin - HYSTERESIS) * rates[0]
         else:
-            self.on = rates[best] > (1 + HYSTERESIS) * rates[0]
+            self.on = rates[best] > (1 + margin + HYSTERESIS) * rates[0]
         self.on = self.on or self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
         trial = self.on and not self.guard.keeps(b, self.rounds) and \
             self.guard.try_plain(b, self.rounds, rates[best] / max(rates[0], 1e-12))
@@ -748,7 +770,10 @@ class SpeculationPolicy:
         b, spec, model = self.predicted
         for key, sums in self.cal_sums.items():  # the others drift back towards 1: one learnt in a
             sums[1] += RELAX * (sums[0] - sums[1])  # bad spell must not keep a mode off
-        sums = self.cal_sums.setdefault((b, spec), [0.0, 0.0])
+        sums = self.cal_sums.get((b, spec))
+        if sums is None:  # starts where the model stood: the nearest batch size's calibration, weighing a few rounds
+            sums = self.cal_sums[(b, spec)] = [CAL_PRIOR_ROUNDS * model,
+                                                CAL_PRIOR_ROUNDS * model / self.calibration(b, spec)]
         # a ratio of (decaying) sums, not an average of per-round ratios: round times are bimodal
         # with pipelining (a ready draft or not), and averaged ratios swung 0.9-2.0 in a few rounds
         sums[0] = CAL_DECAY * sums[0] + model
