@@ -88,7 +88,8 @@ it vetoes speculation there for a while (and tries plain rounds where the model 
 speculation on with a small expected gain and plain decoding is unmeasured), so a model that is wrong about a load (in stop 26's
 runs it kept drafting at 4-16 sequences where every fixed-k row lost) is not wrong for long.
 The other way round, where speculating measured clearly ahead of plain decoding
-(GUARD_KEEP_MARGIN), it keeps speculation on there for a while whatever the model says.
+(GUARD_KEEP_MARGIN, GUARD_KEEP_MARGIN_ONE at one sequence), it keeps speculation on there for a
+while whatever the model says.
 
 The drafter's confidence can stop a draft early: the drafter cuts a draft before the first
 position whose distribution's largest probability is below `min_confidence`
@@ -144,7 +145,8 @@ MAX_GUARD_BACKOFF = 4
 GUARD_MARGIN = 0.05  # a veto needs speculating measured below (1 - this) of plain decoding: not at a near-tie
 GUARD_CLEAR_LOSS = 0.85  # speculating below this of plain decoding holds the veto GUARD_HOLD rounds; a loss between
 # this and 1 - GUARD_MARGIN, which may be noise, holds it a quarter as long (see Guard)
-GUARD_KEEP_MARGIN = 0.25  # speculating measured this much above plain decoding keeps it on GUARD_HOLD rounds (see Guard)
+GUARD_KEEP_MARGIN = 0.25  # speculating measured this much above plain decoding keeps it on GUARD_HOLD rounds (see Guard),
+GUARD_KEEP_MARGIN_ONE = 0.10  # and this much at one sequence
 TRIAL_EVERY = 256  # rounds before a trial of plain rounds at a bucket is tried again (if it measured nothing)
 TRIAL_MARGIN = 1.25  # the guard tries plain decoding at a batch size where the model expects speculating to gain less
 
@@ -443,12 +445,14 @@ class Guard:
     in batching_6514ef5.md the pair's model, its miss cost put at 15 ms on a slow day, chose k = 0
     in 179 of 419 rounds at one sequence, rating plain decoding at about 165 tok/s and speculating
     at 133, while the guard had measured speculating ahead (0.82 worth per second against 0.72);
-    that row ran 1.05x plain, fixed k 1.18x. Until stop 66 the margin was 0.10: in two of four
+    that row ran 1.05x plain, fixed k 1.18x. That margin (GUARD_KEEP_MARGIN_ONE, 0.10) holds at one
+    sequence; at two or more it is GUARD_KEEP_MARGIN, 0.25 (0.10 until stop 66: in two of four
     scratch batching runs that stop it kept speculation on at four sequences, where fixed k ran
-    0.76-0.80x plain in the same minutes (plain rounds measured in a slow spell of the machine,
-    50% slower than the plain row's a second later, against speculating measured in a fast one),
-    and the level ran at 0.74-0.77x plain. Where speculating really pays at one sequence it measures
-    1.3-1.6x plain decoding, above the margin."""
+    0.76-0.80x plain in the same minutes: plain rounds measured in a slow spell of the machine,
+    50% slower than the plain row's a second later, against speculating measured in a fast one, and
+    the level ran at 0.74-0.77x plain). At one sequence 0.25 came too late: in batching_a3dd8ed.md,
+    on a day when fixed k ran 1.27x plain there, the model's costly misses (M(1, 1) 10.8 ms) kept
+    speculation off in 55 of 341 rounds and one of the two runs ran 0.97x plain."""
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
@@ -532,7 +536,8 @@ class Guard:
         else:
             self.backoff[bucket] = 0
             self.lost.discard(bucket)
-            if rate_on > (1 + GUARD_KEEP_MARGIN) * rate_off:  # a clear win: the model, if it says off, is wrong here
+            margin = GUARD_KEEP_MARGIN_ONE if b == 1 else GUARD_KEEP_MARGIN
+            if rate_on > (1 + margin) * rate_off:  # a clear win: the model, if it says off, is wrong here
                 self.kept[bucket] = now + GUARD_HOLD
                 del self.sums[(bucket, False)]  # (a later comparison measures plain decoding afresh)
                 self.keepings += 1
