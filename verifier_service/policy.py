@@ -54,8 +54,9 @@ on for a predicted gain of GAIN_MARGIN + HYSTERESIS and off below GAIN_MARGIN - 
 does not flap (at one sequence the margin is 0: on above 1.05x, off below 0.95x, as at every batch
 size until stop 66). The margin stands for what the model gets wrong where sequences share a pass:
 in stop 66's scratch runs at four sequences, where the model rated speculating at 1.0-1.25x plain
-decoding, fixed k = 4 ran 0.89x plain in its rounds of four sequences (the model's tokens a round
-about 10% high, plain decoding's rate 12% low) and 0.76-0.87x over the level, while at one
+decoding, fixed k = 4 ran 0.89x plain in its rounds of four sequences (the model's rate for
+speculating 8-16% above what such rounds wrote, its rate for plain decoding 12% below the plain
+pair's) and 0.71-0.87x over the level, while at one
 sequence the model was about right (speculating 1.2-1.5x plain) and a margin there turned
 speculation off for most of a level where fixed k ran 1.2x plain (the same runs). Erring towards
 plain decoding where the gain is small costs a little of a small gain; speculating where it
@@ -449,8 +450,8 @@ class Guard:
     sequence; at two or more it is GUARD_KEEP_MARGIN, 0.25 (0.10 until stop 66: in two of four
     scratch batching runs that stop it kept speculation on at four sequences, where fixed k ran
     0.76-0.80x plain in the same minutes: plain rounds measured in a slow spell of the machine,
-    50% slower than the plain row's a second later, against speculating measured in a fast one, and
-    the level ran at 0.74-0.77x plain). At one sequence 0.25 came too late: in batching_a3dd8ed.md,
+    50% slower than the plain pair's seconds later, against speculating measured in a fast one, and
+    the runs it held ran at 0.72-0.81x plain). At one sequence 0.25 came too late: in batching_a3dd8ed.md,
     on a day when fixed k ran 1.27x plain there, the model's costly misses (M(1, 1) 10.8 ms) kept
     speculation off in 55 of 341 rounds and one of the two runs ran 0.97x plain."""
 
