@@ -920,15 +920,14 @@ class SpeculativeEngine:
                 # one that asked for none, nothing was prepared to be ready)
                 if drafted and req.previous_drafted:
                     req.stats.record_outcome(req.previous_accepted, draft.pipeline_hit)
-                # the policy's hit rate h learns from the same rounds: h stands for what pipelining gives a
-                # stretch of drafting rounds. Until stop 66 it learnt from every drafted round after the
-                # sequence's last drafted one, plain rounds between or not; after a plain round nothing
-                # prepared can match, so each switch, and each probe round while speculation was off,
-                # counted a miss: the less the policy drafted, the lower h and the dearer drafting looked
-                # to it (a loop not measured apart: in one scratch run of stop 66 the policy drafted at one
-                # sequence only in probe rounds for most of a level, where fixed k ran 1.5x plain)
-                if drafted and req.previous_drafted and req.previous_accepted == req.previous_k:
-                    self.policy.observe_ready(via, draft.pipeline_hit)  # (the outcome pipelining prepares for)
+                    # the policy's hit rate h learns from the same rounds: it stands for what pipelining
+                    # gives a stretch of drafting rounds. After a plain round nothing prepared can match,
+                    # and counting those misses made drafting look dearer the less the policy drafted.
+                    # Stop 49 made this change (378de13) and cfcea7c undid it, its effect on the policy's
+                    # choices not measured; stop 66 made it again for what h means, still not measured
+                    # apart (docs/benchmarks/README.md, "Stop 66")
+                    if req.previous_accepted == req.previous_k:  # the outcome pipelining prepares for
+                        self.policy.observe_ready(via, draft.pipeline_hit)
             if k:
                 req.previous_accepted, req.previous_k, req.previous_prepared = num_accepted, k, req.asked_prepare
             req.previous_drafted = drafted

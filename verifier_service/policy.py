@@ -49,18 +49,17 @@ token counts: those are random per round, and acceptance has its own estimates).
 
 One k serves the whole batch (its pass is as wide as its widest sequence); a sequence drafts
 min(k, its request's k, tokens it has left). At two sequences or more, k = 0 (plain decoding) is
-chosen unless speculating is predicted to gain GAIN_MARGIN, with hysteresis: speculation switches
-on for a predicted gain of GAIN_MARGIN + HYSTERESIS and off below GAIN_MARGIN - HYSTERESIS, so it
-does not flap (at one sequence the margin is 0: on above 1.05x, off below 0.95x, as at every batch
-size until stop 66). The margin stands for what the model gets wrong where sequences share a pass:
-in stop 66's scratch runs at four sequences, where the model rated speculating at 1.0-1.25x plain
-decoding, fixed k = 4 ran 0.89x plain in its rounds of four sequences (the model's rate for
-speculating 8-16% above what such rounds wrote, its rate for plain decoding 12% below the plain
-pair's) and 0.71-0.87x over the level, while at one
-sequence the model was about right (speculating 1.2-1.5x plain) and a margin there turned
-speculation off for most of a level where fixed k ran 1.2x plain (the same runs). Erring towards
-plain decoding where the gain is small costs a little of a small gain; speculating where it
-loses costs up to a fifth. k itself changes only for a predicted 5% gain
+chosen unless speculating is predicted to gain GAIN_MARGIN (at one sequence the margin is 0), with
+hysteresis per batch-size bucket (the guard's half-octaves): where the model has not decided yet,
+speculation is on above 1 + margin; then it switches on above 1 + margin + HYSTERESIS and off below
+1 + margin - HYSTERESIS, so it does not flap. That state is the model's own: a veto, a keep or a
+trial of the guard does not change it. Until stop 66 the margin was 0 and one on/off state served
+every batch size, so a load that grew from one sequence, where speculating pays, to four kept
+speculating on the lower, stay-on threshold. The margin stands for part of what the model gets
+wrong where sequences share a pass (the guard's trials of plain rounds, below TRIAL_MARGIN, cover
+more): docs/benchmarks/README.md, "Stop 66", has the scratch runs behind it (at four sequences the
+model rated speculating 1.0-1.25x plain, where fixed k ran 0.89x in its rounds of four; at one
+sequence a margin turned speculation off for most of a level where fixed k ran 1.2x plain). k itself changes only for a predicted 5% gain
 (a draft prepared by pipelining for the old k is then still usable). Probe rounds draft the most
 k, on or off, to keep the estimates of acceptance and drafting cost current for every k: the
 first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
@@ -110,7 +109,8 @@ from dataclasses import dataclass
 
 POLICIES = ("adaptive", "fixed")
 MIN_CONFIDENCE = 0.0  # adaptive: stop a draft before a position whose top q is below this (0: off)
-HYSTERESIS = 0.05  # either side of the margin: speculation turns on above 1.15x plain by the model, off below 1.05x
+HYSTERESIS = 0.05  # either side of the margin (on above 1.15x plain by the model at 2+ sequences, 1.05x at one;
+# off below 1.05x, 0.95x), and the predicted gain that moves k
 GAIN_MARGIN = 0.10  # at two sequences or more, speculating must be predicted this much ahead of plain decoding
 DECAY = 0.9  # per round, of a sequence's acceptance counts
 PRIOR_TRIALS = 4.0  # weight of its proposer's acceptance rate in a sequence's estimate
@@ -123,10 +123,8 @@ SLOPE_PRIOR_WEIGHT = 4.0  # M(k)'s slope: the startup profile's weighs as much a
 LEVEL_PRIOR_CALLS = 2
 CAL_DECAY = 0.95  # calibration: per round, of the summed model and measured seconds
 # a new calibration starts at the nearest batch size's (1 before any) with this many rounds' weight (of 20
-# at most: 1 / (1 - CAL_DECAY)): until
-# stop 66 its first round set it alone, and one plain round at four sequences that took 2x the model's
-# time (the machine's slow spell) made plain decoding look half as fast and turned speculation on there,
-# where fixed k ran 0.8x plain (scratch runs of stop 66)
+# at most: 1 / (1 - CAL_DECAY)); until stop 66 its first round set it alone, and one slow round could turn
+# speculation on where it lost (docs/benchmarks/README.md, "Stop 66")
 CAL_PRIOR_ROUNDS = 8.0
 RELAX = 0.01  # per round, a calibration not re-measured drifts this far back towards 1
 PROBE_EVERY = 32  # rounds before a batch size's first probe round (each request drafts its most k)
@@ -440,20 +438,16 @@ class Guard:
     bucket meanwhile).
 
     The other way round, where speculating measured more than 1 + GUARD_KEEP_MARGIN times plain
-    decoding, the guard keeps speculation on at that bucket for GUARD_HOLD rounds whatever the
+    decoding (1 + GUARD_KEEP_MARGIN_ONE at one sequence), the guard keeps speculation on at that bucket for GUARD_HOLD rounds whatever the
     model says, with no trial of plain rounds there meanwhile, and drops plain decoding's
     measurement there (so the next comparison measures it afresh, as a veto drops speculating's). Until stop 39 the guard only turned speculation off:
     in batching_6514ef5.md the pair's model, its miss cost put at 15 ms on a slow day, chose k = 0
     in 179 of 419 rounds at one sequence, rating plain decoding at about 165 tok/s and speculating
     at 133, while the guard had measured speculating ahead (0.82 worth per second against 0.72);
-    that row ran 1.05x plain, fixed k 1.18x. That margin (GUARD_KEEP_MARGIN_ONE, 0.10) holds at one
-    sequence; at two or more it is GUARD_KEEP_MARGIN, 0.25 (0.10 until stop 66: in two of four
-    scratch batching runs that stop it kept speculation on at four sequences, where fixed k ran
-    0.76-0.80x plain in the same minutes: plain rounds measured in a slow spell of the machine,
-    50% slower than the plain pair's seconds later, against speculating measured in a fast one, and
-    the runs it held ran at 0.72-0.81x plain). At one sequence 0.25 came too late: in batching_a3dd8ed.md,
-    on a day when fixed k ran 1.27x plain there, the model's costly misses (M(1, 1) 10.8 ms) kept
-    speculation off in 55 of 341 rounds and one of the two runs ran 0.97x plain."""
+    that row ran 1.05x plain, fixed k 1.18x. That margin, 0.10, holds at one sequence
+    (GUARD_KEEP_MARGIN_ONE); at two or more it is 0.25 (GUARD_KEEP_MARGIN; 0.10 until stop 66, when
+    it kept speculation on at four sequences on plain rounds timed in a slow spell of the machine,
+    and 0.25 everywhere came too late at one sequence: docs/benchmarks/README.md, "Stop 66")."""
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, on) -> [worth, seconds, rounds, sequence-rounds]
@@ -572,6 +566,7 @@ class SpeculationPolicy:
         # engine serves both (per request, and the n-gram while the drafter is down)
         self.acceptances: dict[str | None, tuple[Acceptance, PositionalAcceptance]] = {}
         self.on = True  # adaptive: speculating (k > 0) in the last round
+        self.model_on: dict[int, bool] = {}  # adaptive: the model's last on/off per batch-size bucket (hysteresis)
         self.k = 0  # adaptive: the k > 0 chosen last
         self.rounds = 0  # rounds chosen for
         self.last_round_k = 0  # the k the last round drafted
@@ -637,13 +632,14 @@ class SpeculationPolicy:
             best = self.k  # k sticks too: a pipelined draft prepared for it stays usable
         self.k = best
         margin = GAIN_MARGIN if b > 1 else 0.0
-        if self.on:
-            self.on = rates[best] >= (1 + margin - HYSTERESIS) * rates[0]
-        else:
-            self.on = rates[best] > (1 + margin + HYSTERESIS) * rates[0]
-        self.on = self.on or self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
+        gain, size = rates[best] / max(rates[0], 1e-12), Guard.bucket(b)
+        was = self.model_on.get(size)  # the model's own last decision at this batch size
+        on = gain > 1 + margin if was is None else \
+            gain >= 1 + margin - HYSTERESIS if was else gain > 1 + margin + HYSTERESIS
+        self.model_on[size] = on
+        self.on = on or self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
         trial = self.on and not self.guard.keeps(b, self.rounds) and \
-            self.guard.try_plain(b, self.rounds, rates[best] / max(rates[0], 1e-12))
+            self.guard.try_plain(b, self.rounds, gain)
         self.on = self.on and not trial
         k = best if self.on else 0
         bucket = b.bit_length()
@@ -777,7 +773,7 @@ class SpeculationPolicy:
         for key, sums in self.cal_sums.items():  # the others drift back towards 1: one learnt in a
             sums[1] += RELAX * (sums[0] - sums[1])  # bad spell must not keep a mode off
         sums = self.cal_sums.get((b, spec))
-        if sums is None:  # starts where the model stood: the nearest batch size's calibration, weighing a few rounds
+        if sums is None:  # starts where the model stood: the nearest batch size's calibration (CAL_PRIOR_ROUNDS)
             sums = self.cal_sums[(b, spec)] = [CAL_PRIOR_ROUNDS * model,
                                                 CAL_PRIOR_ROUNDS * model / self.calibration(b, spec)]
         # a ratio of (decaying) sums, not an average of per-round ratios: round times are bimodal
