@@ -97,11 +97,17 @@ def test_policy_turns_speculation_off_under_load_with_hysteresis():
     # at one sequence (the wide pass 6% dearer: 1.03 / 1.06 = 0.97x, 1.09 / 1.06 = 1.03x)
     assert decide(1, 1.03, True, wide=1.06) and not decide(1, 1.09, False, wide=1.06)
     assert decide(1, 1.12, False, wide=1.06) and decide(1, 1.09, None, wide=1.06)
-    # the state is per batch size: on at one sequence is not on at four, where the model decides afresh
+    # the state is per batch size: on at one sequence is not on at four, where the model decides afresh,
+    # and back at one it is on again at a gain (1.03x) that would not switch a policy that was off on
     tie = SpeculationPolicy("adaptive", PassCosts({(b, w): 1.0 for b in (1, 4) for w in (1, 2)}))
-    assert tie.choose([1], [accepting(1.08)], ["ngram"]) == [1]
+    assert tie.choose([1], [accepting(1.03)], ["ngram"]) == [1]
     assert tie.choose([1] * 4, [accepting(1.08)] * 4, ["ngram"] * 4) == [0] * 4
-    assert tie.choose([1], [accepting(1.08)], ["ngram"]) == [1]  # and back at one: on, as it was there
+    assert tie.choose([1], [accepting(1.03)], ["ngram"]) == [1]
+    # the state is the model's own: a round under the guard's veto does not switch it off
+    tie.guard.until[tie.guard.bucket(1)] = tie.rounds + 2
+    assert tie.choose([1], [accepting(1.03)], ["ngram"]) == [0] and not tie.on
+    assert tie.model_on[tie.guard.bucket(1)] and tie.choose([1], [accepting(1.03)], ["ngram"]) == [0]
+    assert tie.choose([1], [accepting(1.03)], ["ngram"]) == [1]  # the veto over: on again at 1.03x
     assert SpeculationPolicy("fixed").choose([3, 0, 2], [Acceptance()] * 3, ["a", None, "a"]) == [3, 0, 2]
 
 
