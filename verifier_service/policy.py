@@ -59,8 +59,8 @@ speculating on the lower, stay-on threshold. The margin stands for part of what 
 wrong where sequences share a pass (the guard's trials of plain rounds, below TRIAL_MARGIN, cover
 more): docs/benchmarks/README.md, "Stop 66", has the scratch runs behind it (at four sequences the
 model rated speculating 1.0-1.25x plain, where fixed k ran 0.89x in its rounds of four; at one
-sequence a margin turned speculation off for most of a level where fixed k ran 1.2x plain). k itself changes only for a predicted 5% gain
-(a draft prepared by pipelining for the old k is then still usable). Probe rounds draft the most
+sequence a margin turned speculation off for most of a level where fixed k ran 1.2x plain). k
+itself changes only for a predicted 5% gain (a draft prepared by pipelining for the old k is then still usable). Probe rounds draft the most
 k, on or off, to keep the estimates of acceptance and drafting cost current for every k: the
 first after PROBE_EVERY rounds at a batch size (per power of two), the interval doubling (up to
 MAX_PROBE_BACKOFF times) each time a probe leaves the decision as it was, so a load where
@@ -438,8 +438,8 @@ class Guard:
     bucket meanwhile).
 
     The other way round, where speculating measured more than 1 + GUARD_KEEP_MARGIN times plain
-    decoding (1 + GUARD_KEEP_MARGIN_ONE at one sequence), the guard keeps speculation on at that bucket for GUARD_HOLD rounds whatever the
-    model says, with no trial of plain rounds there meanwhile, and drops plain decoding's
+    decoding (1 + GUARD_KEEP_MARGIN_ONE at one sequence), the guard keeps speculation on at that
+    bucket for GUARD_HOLD rounds whatever the model says, with no trial of plain rounds there meanwhile, and drops plain decoding's
     measurement there (so the next comparison measures it afresh, as a veto drops speculating's). Until stop 39 the guard only turned speculation off:
     in batching_6514ef5.md the pair's model, its miss cost put at 15 ms on a slow day, chose k = 0
     in 179 of 419 rounds at one sequence, rating plain decoding at about 165 tok/s and speculating
