@@ -637,9 +637,9 @@ class SpeculationPolicy:
         on = gain > 1 + margin if was is None else \
             gain >= 1 + margin - HYSTERESIS if was else gain > 1 + margin + HYSTERESIS
         self.model_on[size] = on
-        self.on = on or self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
-        trial = self.on and not self.guard.keeps(b, self.rounds) and \
-            self.guard.try_plain(b, self.rounds, gain)
+        kept = self.guard.keeps(b, self.rounds)  # the guard measured speculating clearly ahead here
+        self.on = on or kept
+        trial = self.on and not kept and self.guard.try_plain(b, self.rounds, gain)
         self.on = self.on and not trial
         k = best if self.on else 0
         bucket = b.bit_length()
