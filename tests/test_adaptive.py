@@ -15,9 +15,10 @@ from specserve.drafter.draft_model import DraftModelProposer
 from specserve.training.tiny import tiny_model
 from specserve.verifier.engine import SpeculativeEngine
 from specserve.verifier.ngram import NgramProposer
-from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PREPARE_MIN_READY, PROBE_EVERY, SETTLE_ROUNDS,
-                                       Acceptance, DraftCosts, PassCosts, SpeculationPolicy, expected_tokens,
-                                       profile_target)
+from specserve.verifier.policy import (CATCH_UP_TOKENS, LEVEL_PRIOR_CALLS, PREPARE_MIN_READY, PRIOR_TRIALS,
+                                       PRIOR_TRIALS_RANGE, PROBE_EVERY, SETTLE_ROUNDS, SPREAD_MIN_SEQUENCES,
+                                       Acceptance, DraftCosts, PassCosts, SequenceSpread, SpeculationPolicy,
+                                       expected_tokens, profile_target)
 
 V = 96
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # prompt lookup finds continuations here
@@ -82,7 +83,7 @@ def test_policy_turns_speculation_off_under_load_with_hysteresis():
     assert flat.choose([4], fair[:1], ["ngram"]) == [4] and flat.on
     # hysteresis per batch-size bucket, about a margin of 10% at two sequences or more and of 0 at one
     def accepting(gain):  # a row whose expected tokens drafting one are `gain`
-        row = Acceptance(accepted=1004 * (gain - 1) - 2.8, trials=1000.0)
+        row = Acceptance(accepted=(1000 + PRIOR_TRIALS) * (gain - 1) - 0.7 * PRIOR_TRIALS, trials=1000.0)
         assert abs(expected_tokens(row.rate(0.7), 1) - gain) < 1e-9
         return row
 
@@ -125,6 +126,81 @@ def test_acceptance_is_estimated_per_proposer():
     assert both[4] == pytest.approx(drafter[4] + ngram[4])
     state = policy.state()
     assert state["engine_acceptance"]["draft_model"] > 0.95 > 0.05 > state["engine_acceptance"]["ngram"]
+
+
+def _finished(rates, trials=54, seed=0):
+    """(accepted, trials) of finished sequences, each drawing its trials at its rate."""
+    rng = np.random.default_rng(seed)
+    return [(int(rng.binomial(trials, r)), trials) for r in rates]
+
+
+def test_the_prior_weight_of_a_sequences_acceptance_follows_how_much_sequences_differ():
+    """Empirical Bayes: sequences that differ only by chance give the proposer's rate a heavy
+    weight in each one's estimate; a mix of easy and hard ones, a light one. Until
+    SPREAD_MIN_SEQUENCES have finished (with enough trials each) it is PRIOR_TRIALS."""
+    alike, mixed, short = SequenceSpread(), SequenceSpread(), SequenceSpread()
+    for (a, t), (b, u) in zip(_finished([0.86] * 40), _finished([0.35, 0.95] * 20, seed=1)):
+        alike.add(a, t)
+        mixed.add(b, u)
+        short.add(min(a, 7), 7)  # too few trials to tell a sequence's rate
+        if len(alike.seen) < SPREAD_MIN_SEQUENCES:
+            assert alike.weight == mixed.weight == PRIOR_TRIALS
+    assert alike.weight >= 40 and mixed.weight <= 3 and short.weight == PRIOR_TRIALS
+    assert PRIOR_TRIALS_RANGE[0] <= mixed.weight and alike.weight <= PRIOR_TRIALS_RANGE[1]
+    # the engine reports each finished sequence's whole-life counts, not the decayed ones
+    seq = Acceptance()
+    for accepted in (4, 0, 2):
+        seq.add(4, accepted)
+    assert (seq.total_accepted, seq.total_trials) == (6, 8) and seq.trials < 8
+
+
+def test_one_rejected_round_turns_a_sequence_off_only_where_sequences_differ_much():
+    """At one sequence, with engine-wide acceptance about 0.86 a position and drafting four worth
+    about 1.3x plain decoding, a fresh sequence whose one round rejected its first draft (14% of
+    such rounds) stays on, unless finished sequences showed that they differ a lot (then that one
+    round is real evidence). With a prior of 4 trials, as until stop 67, it went off."""
+    rng = np.random.default_rng(2)
+
+    def policy_after(finished):
+        # any wide pass 2.9x a plain one: drafting four is worth 3.8 / 2.9 = 1.31x plain decoding
+        policy = SpeculationPolicy("adaptive", PassCosts({(1, 1): 1.0, (1, 2): 2.9, (1, 5): 2.9}))
+        for _ in range(400):
+            draws = rng.random(4) < 0.86
+            policy.observe_acceptance(Acceptance(), 4, int(np.argmin(draws)) if not draws.all() else 4, "ngram")
+        for a, t in finished:
+            policy.observe_finished(Acceptance(total_accepted=a, total_trials=t), "ngram")
+        return policy
+
+    def unlucky():
+        seq = Acceptance()
+        seq.add(4, 0)
+        return seq
+
+    assert policy_after([]).choose([4], [Acceptance()], ["ngram"]) == [4]  # a new sequence: on
+    assert policy_after([]).choose([4], [unlucky()], ["ngram"]) == [4]  # the default weight: still on
+    alike = policy_after(_finished([0.86] * 32))
+    assert alike.prior_weight("ngram") > PRIOR_TRIALS and alike.choose([4], [unlucky()], ["ngram"]) == [4]
+    mixed = policy_after(_finished([0.35, 0.95] * 16, seed=3))
+    assert mixed.prior_weight("ngram") < 4
+    assert mixed.choose([4], [unlucky()], ["ngram"]) == [0] and not mixed.on
+    assert mixed.state()["sequence_prior_trials"]["ngram"] == round(mixed.prior_weight("ngram"), 1)
+    old = policy_after([])
+    old.spreads["ngram"] = SequenceSpread()
+    old.spreads["ngram"].weight = 4.0
+    assert old.choose([4], [unlucky()], ["ngram"]) == [0]
+
+
+def test_the_engine_reports_each_finished_sequences_acceptance_to_the_policy(monkeypatch):
+    import specserve.verifier.policy as policy_module
+    monkeypatch.setattr(policy_module, "SPREAD_MIN_TRIALS", 1)  # every sequence that drafted counts
+    target = tiny_model("llama", V, seed=11)
+    engine = SpeculativeEngine(ModelRunner(target, slots=2), None, eos_ids=set(), ngram=True, speculation="fixed")
+    stats = [engine.generate(p, 30, SamplingParams(), k=4).stats for p in (REPEATING, [3, 4, 5], REPEATING[1:])]
+    drafted = [st for st in stats if st.num_drafts]
+    seen = list(engine.policy.spreads["ngram"].seen)
+    assert len(drafted) >= 2 and [a for a, _ in seen] == [st.num_accepted_tokens for st in drafted]
+    # trials: the accepted drafts plus the rejection of each round that had one
+    assert all(a < t <= a + st.num_drafts for (a, t), st in zip(seen, drafted))
 
 
 def test_ready_drafts_make_drafting_cheap_only_where_they_happen():

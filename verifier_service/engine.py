@@ -1121,6 +1121,8 @@ class SpeculativeEngine:
         """Frees the request's slots on both sides and wakes its waiter (notify=False: the caller
         calls `_notify` later, outside the lock it holds)."""
         if req in self.running:
+            if reason != "error":  # (its acceptance: how much sequences differ, for the policy)
+                self.policy.observe_finished(req.acceptance, req.via)
             self.running.remove(req)
             self.target.release(req.slot)
             self.free_slots.append(req.slot)

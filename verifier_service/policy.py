@@ -14,7 +14,16 @@ sequences drafting k tokens each,
   rate for all would overrate long drafts; and a draft model's rates are not the n-gram's), and
   s_i scales it by sequence i's own rate against the proposer's: accepted drafts over trials
   (accepted drafts plus the round's rejection, if any), older rounds decaying, the proposer's
-  rate its prior;
+  rate its prior. How much that prior weighs (in trials) is learnt per proposer from how much
+  the rates of its finished sequences spread beyond what chance alone gives (empirical Bayes,
+  `SequenceSpread`): where sequences differ little, one rejected round of a sequence says
+  little about it. Before SPREAD_MIN_SEQUENCES have finished it weighs PRIOR_TRIALS. Until
+  stop 67 it weighed 4 trials always, and one round that rejected its first draft (14% of a
+  demo sequence's rounds) scaled the sequence to 0.8, the model's expected tokens at k = 4 from
+  3.8 to 2.7: speculation went off for that sequence until a probe or its end (68 of 1,253
+  model rounds at one sequence in a scratch run, 29 of 647 at two). Measured on held-out and
+  edit prompts (benchmarks/diagnostics/acceptance_spread.py), the weight that fits the spread
+  was 27 and 61 trials for the demo drafter, 9 and 5.5 for the n-gram proposer;
 - T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
   w (interpolated in between) and refined online by each round's measured pass;
 - D(b, k): the proposer's time for a round. A call either finds every row's draft ready
@@ -113,7 +122,11 @@ HYSTERESIS = 0.05  # either side of the margin (on above 1.15x plain by the mode
 # off below 1.05x, 0.95x), and the predicted gain that moves k
 GAIN_MARGIN = 0.10  # at two sequences or more, speculating must be predicted this much ahead of plain decoding
 DECAY = 0.9  # per round, of a sequence's acceptance counts
-PRIOR_TRIALS = 4.0  # weight of its proposer's acceptance rate in a sequence's estimate
+PRIOR_TRIALS = 16.0  # weight of its proposer's acceptance rate in a sequence's estimate, until learnt (4 until stop 67)
+PRIOR_TRIALS_RANGE = (2.0, 64.0)  # the learnt weight stays within these (see SequenceSpread)
+SPREAD_MIN_SEQUENCES = 16  # finished sequences of a proposer before its prior weight is learnt from them,
+SPREAD_WINDOW = 64  # the last this many of them count,
+SPREAD_MIN_TRIALS = 8.0  # each with at least this many trials
 EMA = 0.1  # weight of a new measured pass time (and call, and round overhead)
 DRAFT_EMA = 0.05  # in M(k)'s fit, each new call weighs this much (the slope needs calls at several k)
 SLOPE_PRIOR_WEIGHT = 4.0  # M(k)'s slope: the startup profile's weighs as much as 4 calls one token apart
@@ -161,13 +174,46 @@ class Acceptance:
 
     accepted: float = 0.0
     trials: float = 0.0
+    total_accepted: int = 0  # the same, never decaying (a finished sequence's, for SequenceSpread)
+    total_trials: int = 0
 
     def add(self, k: int, accepted: int, decay: float = DECAY) -> None:
         self.accepted = decay * self.accepted + accepted
         self.trials = decay * self.trials + accepted + (accepted < k)
+        self.total_accepted += accepted
+        self.total_trials += accepted + (accepted < k)
 
     def rate(self, prior: float, weight: float = PRIOR_TRIALS) -> float:
         return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+class SequenceSpread:
+    """How much a proposer's sequences differ in acceptance, from its last finished ones: the
+    weight in trials of the proposer's rate as the prior of one sequence's (empirical Bayes, the
+    method of moments for a beta-binomial). The rates of finished sequences vary by chance, by
+    p (1 - p) / n_i for a sequence of n_i trials, and by their own differences, a variance V
+    beyond chance; a beta prior of that mean and variance weighs p (1 - p) / V - 1 trials.
+    Sequences that differ little make it heavy (one unlucky round of a sequence then moves its
+    estimate little); a mix of easy and hard ones, light."""
+
+    def __init__(self):
+        self.seen: deque[tuple[float, float]] = deque(maxlen=SPREAD_WINDOW)  # (accepted, trials) per sequence
+        self.weight = PRIOR_TRIALS
+
+    def add(self, accepted: float, trials: float) -> None:
+        if trials < SPREAD_MIN_TRIALS:
+            return
+        self.seen.append((accepted, trials))
+        if len(self.seen) < SPREAD_MIN_SEQUENCES:
+            return
+        p = sum(a for a, _ in self.seen) / sum(t for _, t in self.seen)
+        rates = [a / t for a, t in self.seen]
+        mean = sum(rates) / len(rates)
+        observed = sum((r - mean) ** 2 for r in rates) / len(rates)
+        chance = sum(p * (1 - p) / t for _, t in self.seen) / len(self.seen)
+        beyond = observed - chance
+        lo, hi = PRIOR_TRIALS_RANGE
+        self.weight = hi if beyond <= 0 else min(max(p * (1 - p) / beyond - 1, lo), hi)
 
 
 class PositionalAcceptance:
@@ -565,6 +611,7 @@ class SpeculationPolicy:
         # the n-gram's differ (0.81 against 0.58 on the n-gram bench's edit prompts), and one
         # engine serves both (per request, and the n-gram while the drafter is down)
         self.acceptances: dict[str | None, tuple[Acceptance, PositionalAcceptance]] = {}
+        self.spreads: dict[str, SequenceSpread] = {}  # proposer -> its finished sequences' spread in acceptance
         self.on = True  # adaptive: speculating (k > 0) in the last round
         self.model_on: dict[int, bool] = {}  # adaptive: the model's last on/off per batch-size bucket (hysteresis)
         self.k = 0  # adaptive: the k > 0 chosen last
@@ -707,7 +754,7 @@ class SpeculationPolicy:
             overall, positions = self.acceptances.get(p) or (Acceptance(), PositionalAcceptance())  # (read only)
             priors[p] = overall.rate(PRIOR_ACCEPTANCE, weight=1.0)
             position_rates[p] = positions.rates(top, PRIOR_ACCEPTANCE)
-        scales = [a.rate(priors[p]) / max(priors[p], 1e-6) for a, p in zip(acceptance, proposers)]
+        scales = [a.rate(priors[p], self.prior_weight(p)) / max(priors[p], 1e-6) for a, p in zip(acceptance, proposers)]
         used = {p for p, lim in zip(proposers, limits) if lim}
         hit = {p: self.hit_rate(p) for p in used}
         # per k: expected tokens (1 + sum_{j<=k} prod_{l<=j} min(1, a_l * s_i) per row, a row drafting
@@ -833,6 +880,7 @@ class SpeculationPolicy:
                                            for (p, b), d in sorted(self.draft_costs.items())},
                 "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
                 "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
+                "sequence_prior_trials": {p: round(self.prior_weight(p), 1) for p in sorted(self.spreads)},
                 "probes": self.probes,
                 "unprepared_rounds": self.unprepared,
                 "guard": self.guard.state(self.rounds),
@@ -878,6 +926,17 @@ class SpeculationPolicy:
     def observe_overhead(self, b: int, speculating: bool, seconds: float) -> None:
         old = self.overhead.get((b, speculating))
         self.overhead[(b, speculating)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def prior_weight(self, proposer: str | None) -> float:
+        """The weight in trials of the proposer's acceptance rate in one sequence's estimate."""
+        spread = self.spreads.get(proposer)
+        return spread.weight if spread is not None else PRIOR_TRIALS
+
+    def observe_finished(self, seq: Acceptance, proposer: str | None) -> None:
+        """A sequence that drafted with `proposer` (its last) has finished: its acceptance over its
+        whole life goes into the proposer's spread."""
+        if proposer is not None and seq.total_trials:
+            self.spreads.setdefault(proposer, SequenceSpread()).add(seq.total_accepted, seq.total_trials)
 
     def observe_acceptance(self, seq: Acceptance, k: int, accepted: int, proposer: str | None = None) -> None:
         """A round of one sequence that drafted k with `proposer`, of which `accepted` were accepted."""
