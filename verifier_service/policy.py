@@ -20,10 +20,11 @@ sequences drafting k tokens each,
   little about it. Before SPREAD_MIN_SEQUENCES have finished it weighs PRIOR_TRIALS. Until
   stop 67 it weighed 4 trials always, and one round that rejected its first draft (14% of a
   demo sequence's rounds) scaled the sequence to 0.8, the model's expected tokens at k = 4 from
-  3.8 to 2.7: speculation went off for that sequence until a probe or its end (68 of 1,253
-  model rounds at one sequence in a scratch run, 29 of 647 at two). Measured on held-out and
-  edit prompts (benchmarks/diagnostics/acceptance_spread.py), the weight that fits the spread
-  was 27 and 61 trials for the demo drafter, 9 and 5.5 for the n-gram proposer;
+  3.8 to 2.7: speculation went off for that sequence until a probe or its end (in a scratch
+  run, stop 67's closing note, the sequences' own estimates turned the model off in 68 of 1,253
+  rounds at one sequence where the proposer's rates alone had it on, 29 of 647 at two). On
+  held-out and edit prompts (benchmarks/diagnostics/acceptance_spread.py) the weight that fits
+  the spread came to 27 and 61 trials for the demo drafter, 9 and 5.5 for the n-gram proposer;
 - T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
   w (interpolated in between) and refined online by each round's measured pass;
 - D(b, k): the proposer's time for a round. A call either finds every row's draft ready
