@@ -1121,12 +1121,16 @@ class SpeculativeEngine:
         """Frees the request's slots on both sides and wakes its waiter (notify=False: the caller
         calls `_notify` later, outside the lock it holds)."""
         if req in self.running:
-            if reason != "error":  # (its acceptance: how much sequences differ, for the policy)
-                self.policy.observe_finished(req.acceptance, req.via)
+            via = req.via
             self.running.remove(req)
             self.target.release(req.slot)
             self.free_slots.append(req.slot)
             self._stop_drafting(req)
+            # how much sequences differ in acceptance, for the policy: from sequences that drafted
+            # with one proposer only (one that fell back to the n-gram while the drafter was down
+            # mixes two rates), and not from a failed one (its rounds may have stopped anywhere)
+            if reason != "error" and set(req.stats.drafts_by_method) == {via}:
+                self.policy.observe_finished(req.acceptance, via)
         req.finish_reason = reason
         if notify:
             self._notify(req)

@@ -18,13 +18,14 @@ sequences drafting k tokens each,
   the rates of its finished sequences spread beyond what chance alone gives (empirical Bayes,
   `SequenceSpread`): where sequences differ little, one rejected round of a sequence says
   little about it. Before SPREAD_MIN_SEQUENCES have finished it weighs PRIOR_TRIALS. Until
-  stop 67 it weighed 4 trials always, and one round that rejected its first draft (14% of a
-  demo sequence's rounds) scaled the sequence to 0.8, the model's expected tokens at k = 4 from
+  stop 67 it weighed 4 trials always, and a fresh sequence whose first round rejected its first
+  draft (14% of the demo pair's sequences) was scaled to 0.8, the model's expected tokens at k = 4 from
   3.8 to 2.7: speculation went off for that sequence until a probe or its end (in a scratch
-  run, stop 67's closing note, the sequences' own estimates turned the model off in 68 of 1,253
-  rounds at one sequence where the proposer's rates alone had it on, 29 of 647 at two). On
+  run, docs/benchmarks/README.md "Stop 67", the sequences' own estimates turned the model off in
+  149 of 1,315 rounds at one sequence where the proposer's rates alone had it on, 87 of 660 at
+  two; 16 of 1,235 and 7 of 635 with the learnt weight). On
   held-out and edit prompts (benchmarks/diagnostics/acceptance_spread.py) the weight that fits
-  the spread came to 27 and 61 trials for the demo drafter, 9 and 5.5 for the n-gram proposer;
+  the spread came to 23 and 50 trials for the demo drafter, 8.8 and 5.5 for the n-gram proposer;
 - T(b, w): one target pass of b sequences of w positions: profiled at startup on a grid of b and
   w (interpolated in between) and refined online by each round's measured pass;
 - D(b, k): the proposer's time for a round. A call either finds every row's draft ready
@@ -188,33 +189,46 @@ class Acceptance:
         return (self.accepted + weight * prior) / (self.trials + weight)
 
 
+def prior_trials(seen) -> float:
+    """The weight in trials of a beta prior that fits the spread of these sequences' rates
+    ((accepted, trials) each, two or more), by the method of moments for a beta-binomial: a
+    sequence's rate a_i / n_i varies by m (1 - m) / n_i by chance and by V (1 - 1 / n_i) by its
+    own difference from the others (m: the mean rate, V: the variance of the sequences' true
+    rates), so V = (s^2 - m (1 - m) mean(1 / n_i)) / (1 - mean(1 / n_i)), s^2 the rates' sample
+    variance, and a beta prior of mean m and variance V weighs m (1 - m) / V - 1 trials. Infinite
+    where the rates spread no more than chance gives."""
+    rates = [a / t for a, t in seen]
+    m = sum(rates) / len(rates)
+    s2 = sum((r - m) ** 2 for r in rates) / (len(rates) - 1)
+    inv = sum(1 / t for _, t in seen) / len(seen)
+    v = (s2 - m * (1 - m) * inv) / (1 - inv) if inv < 1 else 0.0
+    return m * (1 - m) / v - 1 if v > 0 else math.inf
+
+
 class SequenceSpread:
     """How much a proposer's sequences differ in acceptance, from its last finished ones: the
-    weight in trials of the proposer's rate as the prior of one sequence's (empirical Bayes, the
-    method of moments for a beta-binomial). The rates of finished sequences vary by chance, by
-    p (1 - p) / n_i for a sequence of n_i trials, and by their own differences, a variance V
-    beyond chance; a beta prior of that mean and variance weighs p (1 - p) / V - 1 trials.
-    Sequences that differ little make it heavy (one unlucky round of a sequence then moves its
-    estimate little); a mix of easy and hard ones, light."""
+    weight in trials of the proposer's rate as the prior of one sequence's (empirical Bayes:
+    `prior_trials`, within PRIOR_TRIALS_RANGE). Sequences that differ little make it heavy (one
+    unlucky round of a sequence then moves its estimate little); a mix of easy and hard ones,
+    light. Before SPREAD_MIN_SEQUENCES have finished with SPREAD_MIN_TRIALS each it is
+    PRIOR_TRIALS (16 sequences estimate it roughly: the weight may come out anywhere from about
+    half to twice the true one, or at the bound)."""
 
     def __init__(self):
         self.seen: deque[tuple[float, float]] = deque(maxlen=SPREAD_WINDOW)  # (accepted, trials) per sequence
         self.weight = PRIOR_TRIALS
 
+    @property
+    def learnt(self) -> bool:
+        return len(self.seen) >= SPREAD_MIN_SEQUENCES
+
     def add(self, accepted: float, trials: float) -> None:
         if trials < SPREAD_MIN_TRIALS:
             return
         self.seen.append((accepted, trials))
-        if len(self.seen) < SPREAD_MIN_SEQUENCES:
-            return
-        p = sum(a for a, _ in self.seen) / sum(t for _, t in self.seen)
-        rates = [a / t for a, t in self.seen]
-        mean = sum(rates) / len(rates)
-        observed = sum((r - mean) ** 2 for r in rates) / len(rates)
-        chance = sum(p * (1 - p) / t for _, t in self.seen) / len(self.seen)
-        beyond = observed - chance
-        lo, hi = PRIOR_TRIALS_RANGE
-        self.weight = hi if beyond <= 0 else min(max(p * (1 - p) / beyond - 1, lo), hi)
+        if self.learnt:
+            lo, hi = PRIOR_TRIALS_RANGE
+            self.weight = min(max(prior_trials(self.seen), lo), hi)
 
 
 class PositionalAcceptance:
@@ -881,7 +895,9 @@ class SpeculationPolicy:
                                            for (p, b), d in sorted(self.draft_costs.items())},
                 "ready_call_ms": {f"{p}@{b}": round(h * 1e3, 3) for (p, b), h in sorted(self.hit_costs.items())},
                 "ready_after_all_accepted": {p: round(self.hit_rate(p), 4) for p in sorted(self.hit_rates)},
-                "sequence_prior_trials": {p: round(self.prior_weight(p), 1) for p in sorted(self.spreads)},
+                # proposer -> [the prior's weight in trials, finished sequences it was learnt from (0: not yet)]
+                "sequence_prior_trials": {p: [round(sp.weight, 1), len(sp.seen) if sp.learnt else 0]
+                                          for p, sp in sorted(self.spreads.items())},
                 "probes": self.probes,
                 "unprepared_rounds": self.unprepared,
                 "guard": self.guard.state(self.rounds),
@@ -934,8 +950,8 @@ class SpeculationPolicy:
         return spread.weight if spread is not None else PRIOR_TRIALS
 
     def observe_finished(self, seq: Acceptance, proposer: str | None) -> None:
-        """A sequence that drafted with `proposer` (its last) has finished: its acceptance over its
-        whole life goes into the proposer's spread."""
+        """A sequence that drafted with `proposer` only has finished: its acceptance over its whole
+        life goes into the proposer's spread."""
         if proposer is not None and seq.total_trials:
             self.spreads.setdefault(proposer, SequenceSpread()).add(seq.total_accepted, seq.total_trials)
 
