@@ -164,7 +164,7 @@ def test_the_prior_weight_of_a_sequences_acceptance_follows_how_much_sequences_d
 def test_one_rejected_round_turns_a_sequence_off_only_where_sequences_differ_much():
     """At one sequence, with engine-wide acceptance about 0.86 a position and drafting four worth
     about 1.3x plain decoding, a fresh sequence whose one round rejected its first draft (14% of
-    such rounds) stays on, unless finished sequences showed that they differ a lot (then that one
+    fresh sequences) stays on, unless finished sequences showed that they differ a lot (then that one
     round is real evidence). With a prior of 4 trials, as until stop 67, it went off."""
     rng = np.random.default_rng(2)
 

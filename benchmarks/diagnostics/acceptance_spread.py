@@ -4,7 +4,7 @@ request at a time; each request's accepted drafts and trials as the policy count
 drafts plus the rejection of each round that had one: `Acceptance.total_*`), then the weight in
 trials of a beta prior that fits their spread beyond chance (`policy.prior_trials`, the
 estimate the policy's `SequenceSpread` makes from its last 64 finished sequences, here from all
-of them and without its bounds).
+of them and without its bounds: inf where they spread no more than chance gives).
 
 Stop 67 (the 2-core AMD EPYC with AVX512-BF16; 96 requests for the first, 64 for the others):
 draft model on held-out prompts: mean rate 0.868, rates 0.60-1.00, weight 22.8 trials; on edit
@@ -50,10 +50,14 @@ def main() -> None:
             engine.step()
         if req.acceptance.total_trials:
             seen.append((req.acceptance.total_accepted, req.acceptance.total_trials))
+    if len(seen) < 2:
+        print(f"{len(seen)} request(s) drafted: too few to tell how sequences differ")
+        return
     rates = [a / t for a, t in seen]
     print(f"{args.method} on {args.prompts} prompts: {len(seen)} requests, mean rate {sum(rates) / len(rates):.3f}, "
           f"mean trials {sum(t for _, t in seen) / len(seen):.1f}, rates {min(rates):.2f}-{max(rates):.2f}: "
           f"prior weight {prior_trials(seen):.1f} trials")
+
 
 if __name__ == "__main__":
     main()
