@@ -269,7 +269,7 @@ def test_an_in_process_drafter_rests_while_speculation_is_off_and_is_caught_up_b
     speculation off: neither the running sequence's tokens nor a joining one's start. A probe round
     brings it everything committed before it drafts, and when speculation resumes the joined
     sequence starts on it with all it has. Greedy output equals plain decoding throughout.
-    (A remote drafter is fed meanwhile: test_grpc's deferred starts and catch-ups.)"""
+    (A remote drafter rests as well: test_grpc.)"""
     target = tiny_model("llama", V, seed=7)
     proposer = DraftModelProposer(ModelRunner(target, slots=2))  # the target drafting for itself: all accepted
     engine = SpeculativeEngine(ModelRunner(target, slots=2), proposer, eos_ids=set(), speculation="adaptive", max_k=4)

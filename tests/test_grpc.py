@@ -493,17 +493,16 @@ def test_a_send_not_received_is_dropped_by_the_next_one(stub):
     remote.client.close()
 
 
-def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculation_is_off():
-    """With speculation off, a remote drafter's Start of joining sequences runs beside the rounds
-    (they would not draft in them anyway), and the loop does not wait for it: with the drafter
-    busy (its model lock held) the sequences decode plainly, round after round, and draft once the
-    Start is in. Greedy output stays plain decoding's, the drafter is caught up on them (told the
-    tokens committed meanwhile), and a Start the drafter refuses (full) falls back one by one, the
-    refused sequence running without the drafter, the engine not degraded."""
-    import threading
+def test_a_remote_drafter_rests_while_speculation_is_off_and_is_caught_up_before_it_drafts():
+    """With the adaptive policy's speculation off (no veto), a remote drafter rests, as one in
+    process does: joining sequences are not started on it and nothing is sent to it, so none of
+    its work runs beside the plain passes (until stop 67 it was started and fed meanwhile). When
+    speculation comes on, the sequences start on it with everything committed and draft; greedy
+    output stays plain decoding's. With room for one sequence on the drafter, the Starts it
+    refuses fall back one by one, the engine not degraded."""
     from specserve.verifier.client import RemoteProposer
     from specserve.verifier.engine import SpeculativeEngine
-    from specserve.verifier.policy import CATCH_UP_TOKENS, PassCosts
+    from specserve.verifier.policy import PassCosts
 
     target, drafter = tiny_model("llama", V, seed=11), tiny_model("llama", V, seed=12, hidden=16, layers=1)
     plain = SpeculativeEngine(ModelRunner(target), None, eos_ids=set())
@@ -518,32 +517,24 @@ def test_new_sequences_start_on_a_remote_drafter_during_the_round_while_speculat
                 engine.policy.observe_draft("draft_model", b, 1, 10.0)  # drafting looks hopeless
             engine.policy.on = False
             prompts = [[1 + i, 2, 3] for i in range(3)]
-            busy = threading.Event()
-            hold_model_lock(servicer, busy, 30.0)
             reqs = [engine.submit(p, 60, SamplingParams(), k=4) for p in prompts]
-            for _ in range(3):  # the Start waits for the drafter; the rounds do not
+            for _ in range(5):
                 engine.step()
-            assert engine._starting and not any(r.drafting for r in reqs) and all(len(r.out) == 3 for r in reqs)
-            busy.set()
-            engine._starting[0][0].join(10)
+                assert engine._resting() and all(r.resting and not r.drafting for r in reqs)
+            assert not servicer.proposer.seqs and engine.deferred_starts == 0  # nothing sent to it
+            assert all(len(r.out) == 5 for r in reqs)
+            engine.policy.mode = "fixed"  # speculation on: every sequence drafts its k from now on
             engine.step()
-            assert not engine._starting and engine.deferred_starts == (3 if capacity == 8 else 0)
-            assert sum(r.drafting for r in reqs) == min(3, capacity) and engine.degraded is None
+            assert not any(r.resting for r in reqs) and sum(r.drafting for r in reqs) == min(3, capacity)
+            for r in reqs:
+                if r.drafting:  # started with every committed token, then this round's
+                    assert servicer.proposer.committed_length(f"{r.id}.0") >= len(r.prompt_ids) + 5
+                    assert r.stats.num_drafts == 1
             while not all(r.done.is_set() for r in reqs):
-                for r in reqs:
-                    if r.drafting and not r.done.is_set():
-                        behind = len(r.prompt_ids) + len(r.out) - servicer.proposer.committed_length(f"{r.id}.0")
-                        assert 0 <= behind <= 2 * CATCH_UP_TOKENS + 1  # (a catch-up is not waited for)
                 engine.step()
             for p, r in zip(prompts, reqs):
                 assert r.result().token_ids == plain.generate(p, 60, SamplingParams(), 0).token_ids
             assert engine.degraded is None and engine.proposer_failures == 0
-            if capacity == 8:  # a seeded sampled request drafts from its first round: started before it
-                seeded = engine.submit([5, 6], 10, SamplingParams(temperature=0.9, seed=3), k=4)
-                engine.step()
-                assert engine.deferred_starts == 3 and seeded.stats.rounds_by_k[0] == 0
-                while not seeded.done.is_set():
-                    engine.step()
         finally:
             server.stop(0)
 
@@ -629,10 +620,11 @@ def test_a_start_sent_beside_a_prefill_that_fails_is_released_in_the_same_step()
 
 
 def test_a_start_under_way_when_the_drafter_fails_goes_to_the_fallback():
-    """The drafter fails (here: the stream breaks under a running sequence's drafts) while a
-    deferred Start of a joining sequence is still under way on the old connection. The Start
-    itself succeeds, but once it is taken up its sequence goes to the fallback with the others
-    (it is not counted as started on the drafter), and every output stays plain decoding's."""
+    """The drafter fails (here: the stream breaks under a running sequence's drafts, during the
+    target's prefill of a joining sequence) while that sequence's Start, sent beside the prefill
+    (`_start_ahead`), is still under way on the old connection. The Start itself succeeds, but
+    once it is taken up its sequence goes to the fallback with the others (it is not counted as
+    started on the drafter), and every output stays plain decoding's."""
     import threading
 
     from specserve.verifier.client import RemoteProposer
@@ -645,26 +637,29 @@ def test_a_start_under_way_when_the_drafter_fails_goes_to_the_fallback():
         remote = RemoteProposer(f"127.0.0.1:{port}")
         engine = SpeculativeEngine(ModelRunner(target, slots=4), remote, eos_ids=set(), speculation="adaptive",
                                    max_k=4, ngram=True)
-        engine.policy.choose = lambda limits, *_: [0] * len(limits)  # speculation off: Starts are deferred
-        engine.policy.on = False
+        engine.policy.choose = lambda limits, *_: list(limits)  # speculation on
         first = engine.submit([1, 2, 3], 60, SamplingParams(), k=4)
-        while not first.drafting:
-            engine.step()
+        engine.step()
+        engine.step()  # (its drafts on the stream, and the next ones asked for early)
+        assert first.drafting and engine._early
         go = threading.Event()
         start_many = remote.start_many
         remote.start_many = lambda items: (go.wait(10), start_many(items))
+        prefill_batch = engine.target.prefill_batch
+
+        def prefill_as_the_stream_breaks(items):
+            remote.client.stream.replies.cancel()
+            return prefill_batch(items)
+
+        engine.target.prefill_batch = prefill_as_the_stream_breaks
         joined = engine.submit([4, 5, 6], 40, SamplingParams(), k=4)
-        engine.step()
-        assert len(engine._starting) == 1 and not joined.drafting
-        engine.policy.choose = lambda limits, *_: list(limits)  # speculation on: the first one drafts
-        engine.step()  # (its drafts on the stream, and the next ones asked for early)
-        remote.client.stream.replies.cancel()
-        engine.step()  # the early drafts' answer: the stream is gone
+        engine.step()  # the Start sent beside the prefill; the early drafts' answer: the stream is gone
+        engine.target.prefill_batch = prefill_batch
         assert engine.degraded is not None and engine._starting and not joined.drafting
         go.set()
         engine._starting[0][0].join(10)
         engine.step()
-        assert not engine._starting and joined.drafting and engine.deferred_starts == 1  # the first one only
+        assert not engine._starting and joined.drafting and joined.via == "ngram"
         while not (first.done.is_set() and joined.done.is_set()):
             engine.step()
         assert first.result().token_ids == plain.generate([1, 2, 3], 60, SamplingParams(), 0).token_ids

@@ -323,7 +323,7 @@ class SpeculativeEngine:
         self._early_waited_before = 0.0  # the part of it waited before this round (a release, a start)
         self.early_drafts = 0  # drafts that were asked for at the end of the round before and served
         # remote drafter Starts of new sequences running on helper threads beside the target's
-        # prefill (`_start_ahead`) and, with speculation off, beside the rounds: (thread, requests,
+        # prefill (`_start_ahead`): (thread, requests,
         # tokens each had then, outcome, proposer failures then)
         self._starting: list[tuple[threading.Thread, list[Request], list[int], dict, int]] = []
         self.deferred_starts = 0  # sequences started that way
@@ -676,8 +676,7 @@ class SpeculativeEngine:
         if self._resting():  # the drafter rests: these start on it when it drafts again (`_wake`)
             for r in reqs:
                 r.resting = bool(r.k and r.method == "draft_model" and not r.fixed_k)
-        joined = not self._start_later_ok()  # (a Start of these is waited for after the prefill)
-        ahead = self._start_ahead(reqs, joined)
+        ahead = self._start_ahead(reqs)
         t0 = time.perf_counter()
         try:
             self.target.prefill_batch([(req.slot, req.prompt_ids[:-1]) for req in reqs])
@@ -694,37 +693,31 @@ class SpeculativeEngine:
         self._prefill_seconds += time.perf_counter() - t0
         self.times.add("admit", time.perf_counter() - t0)
         self._start([r for r in reqs if not r.resting and r not in ahead])
-        if ahead and joined:
+        if ahead:
             self._await_early()  # (drafting time: they reached the drafter's model lock before the Start, as a rule)
             self._finish_starts(wait=self.degraded is None)  # these draft from their first round
 
-    def _start_ahead(self, reqs: list[Request], joined: bool) -> list[Request]:
-        """Sends the Start of joining sequences to a remote drafter from a helper thread before
-        the target's prefill (`_start_later`), and returns them. The drafter's prefill of their
-        prompts then runs beside the target's, on its own device, instead of after it. Where
-        speculation is on (joined), `_admit` waits for it after the prefill, so they draft from
-        their first round; where it is off they decode plainly until it is in (`_start_later_ok`).
-        Until stop 54 the Start was sent after the prefill and waited for, on the loop's thread:
-        4-6% of each round at 4-32 sequences in the batching bench's
-        sequential row, 7-32% in the pipelined one, its drafter busy preparing
-        (docs/benchmarks/batching_6070687_b.md, the "start" column). A seeded row while speculation
-        is off is left to `_start` (started after the prefill and waited for: it drafts from its
-        first round), so that it does not hold up the others' Start."""
+    def _start_ahead(self, reqs: list[Request]) -> list[Request]:
+        """Sends the Start of joining sequences (not those resting) to a remote drafter from a
+        helper thread before the target's prefill (`_start_later`), and returns them. The
+        drafter's prefill of their prompts then runs beside the target's, on its own device,
+        instead of after it; `_admit` waits for it after the prefill, so they draft from their
+        first round. Until stop 54 the Start was sent after the prefill and waited for, on the
+        loop's thread: 4-6% of each round at 4-32 sequences in the batching bench's sequential
+        row, 7-32% in the pipelined one, its drafter busy preparing
+        (docs/benchmarks/batching_6070687_b.md, the "start" column). (Until stop 67 a remote
+        drafter was also started on sequences joining while speculation was off, their Start not
+        waited for; now they rest: `_resting`.)"""
         proposer = self.proposers.get("draft_model")
         if proposer is None or not proposer.answers_later or self.degraded is not None:
             return []
-        ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting and (joined or not r.fixed_k)]
+        ahead = [r for r in reqs if r.k and r.method == "draft_model" and not r.resting]
         if ahead:
             self._start_later(ahead)
         return ahead
 
     def _start(self, reqs: list[Request]) -> None:
-        """Starts these sequences on their proposers: on a remote drafter from a helper thread
-        while speculation is off (`_start_later_ok`), the others in one call per proposer now."""
-        later = [r for r in reqs if r.k and r.method == "draft_model" and not r.fixed_k] if self._start_later_ok() else []
-        if later:
-            self._start_later(later)
-            reqs = [r for r in reqs if r not in later]
+        """Starts these sequences on their proposers, in one call per proposer."""
         if any(r.k for r in reqs):
             self._await_early()  # (a start would wait for them anyway: counted as drafting, not as the start)
         t1 = time.perf_counter()
@@ -732,28 +725,30 @@ class SpeculativeEngine:
         self.times.add("start", time.perf_counter() - t1)
 
     def _resting(self) -> bool:
-        """The drafter rests while the policy's guard vetoes speculation at this batch size (it
-        measured plain decoding writing more here, and holds that for hundreds of rounds): new
+        """The drafter rests whenever the adaptive policy has speculation off, veto or not: new
         sequences are not started on it and running ones are not caught up, so nothing of the
-        drafter's runs beside the plain passes (on the 2-core reference machine its starts and
-        catch-ups slowed them by a few percent). When the veto ends, `_wake` starts the sequences
-        that joined meanwhile with everything committed, and the next call to the drafter brings
-        the others' unsent tokens: the drafter is caught up before anything drafts again.
+        drafter's runs beside (a remote drafter) or between (one in the loop's own process) the
+        plain passes. A sequence the policy then drafts for is brought up to date in that round
+        before it drafts (`_bring_up_to_date`): `_wake` starts the sequences that joined meanwhile
+        with everything committed, and the committed tokens that piled up go in with the next call
+        (through one call of their own on an in-process drafter). Feeding it later is no more work
+        than feeding it now (each token once, batched), and none for a sequence that finishes
+        meanwhile; acceptance does not suffer, since the drafter has every committed token before it
+        drafts.
 
-        A drafter in the loop's own process (in process, or `colocate: true`) rests whenever the
-        policy has speculation off, veto or not: its starts and catch-ups are not beside the plain
-        passes but between them, on the loop's thread (joining requests' starts cost the
-        colocated row 0.4-2.4 ms a round at 4-32 sequences, batching_d1ccf24.md), and the guard
-        counted them against its plain rounds (it measured speculating ahead of them there, and
-        kept drafting at 0.73-0.86x plain). A sequence the policy then drafts for is brought up to
-        date in that round before it drafts (`_bring_up_to_date`). Feeding it later is no more
-        work than feeding it now (each token once, batched), and none for a sequence that
-        finishes meanwhile. A remote drafter is fed while speculation is off: its Starts run on
-        a helper thread and its catch-up calls are not waited for (`_start_later`)."""
+        Why: a drafter in the loop's process did its starts and catch-ups on the loop's thread
+        (joining requests' starts cost the colocated row 0.4-2.4 ms a round at 4-32 sequences,
+        batching_d1ccf24.md), and the guard counted them against its plain rounds. A remote one,
+        fed while speculation was off until stop 67 (its Starts on a helper thread, its catch-up
+        calls not waited for), ran them beside the target's passes on a machine that shares its
+        caches: in a scratch A/B of stop 67 (docs/benchmarks/README.md, "Stop 67") an adaptive
+        pair held off ran 0.83-0.99x a plain pair at 4-32 sequences with its drafter fed, 0.94-1.05x
+        with it resting (rest / fed 1.06-1.14x), and batching_5b364a4's adaptive pair, drafting
+        in 2.4% of its sequence-rounds at 16, took 13.6 ms a pass there against the plain pair's
+        10.7, its drafter using 3.5 ms of CPU a round."""
         if self.policy.mode != "adaptive" or "draft_model" not in self.proposers or self.degraded is not None:
             return False
-        return (self.policy.guard.vetoed(len(self.running), self.policy.rounds)
-                or (not self.policy.on and not self.proposers["draft_model"].answers_later))
+        return self.policy.guard.vetoed(len(self.running), self.policy.rounds) or not self.policy.on
 
     def _bring_up_to_date(self, running: list[Request], chosen: list[int]) -> bool:
         """Before the drafter drafts for sequences it rested for: those that joined meanwhile
@@ -784,15 +779,6 @@ class SpeculativeEngine:
         for r in reqs:
             r.resting = False
         self._start(reqs)
-
-    def _start_later_ok(self) -> bool:
-        """New sequences may start on the drafter while the rounds run, their Start not waited
-        for (`_start_ahead` sends it before the target's prefill; `_start` after it): the policy
-        has speculation off, so they would not draft now anyway, and the drafter is remote, so
-        its prefill runs beside the target's passes instead of before them."""
-        proposer = self.proposers.get("draft_model")
-        return (self.policy.mode == "adaptive" and not self.policy.on and proposer is not None
-                and proposer.answers_later and self.degraded is None and not self._early)
 
     def _start_later(self, reqs: list[Request]) -> None:
         items = [(r.id, r.prompt_ids + r.out, r.params) for r in reqs]

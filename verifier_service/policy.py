@@ -86,12 +86,13 @@ rounds were too few: at two sequences the policy's T(2, 1) had come to 6.0 ms ag
 a plain pair's pass, and it kept drafting (mean k 2.1-3.4) where fixed k = 4 lost to plain
 decoding; with eight it chose k = 0 there (mean k 0.13-0.19; docs/benchmarks/batching_ab.md); a
 calibration not re-measured drifts back towards 1 (RELAX per round), so one learnt in a bad spell
-(a busy machine) does not keep speculation off for good. While a sequence drafts nothing the engine keeps
-its drafter caught up on committed tokens (`CATCH_UP_TOKENS`), so acceptance does not suffer when
-speculation resumes; while the guard vetoes speculation the drafter rests, and is brought up to
-date when the veto ends, before it drafts (`SpeculativeEngine._resting`). A drafter in the engine's
-own process (in process, colocated) rests whenever speculation is off: its work would run on the
-loop's thread, between the plain passes, and is brought up to date in the round that drafts again.
+(a busy machine) does not keep speculation off for good. While speculation is off (the model's
+choice or the guard's veto) the drafter rests, in process or remote: it starts no sequence and is
+fed no token, and is brought up to date (each sequence's committed tokens, in one batched call)
+in the round that drafts again, before it drafts, so acceptance does not suffer
+(`SpeculativeEngine._resting`; until stop 67 a remote drafter was fed meanwhile, and its work beside
+the plain passes slowed them). While speculation is on, a sequence that drafts nothing in a round
+still feeds its drafter once CATCH_UP_TOKENS have piled up.
 
 Over the model sits a guard (`Guard`): what each mode really wrote per second of the engine loop,
 measured per batch size. Where speculating measured fewer tokens per second than plain decoding,
