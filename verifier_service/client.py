@@ -302,7 +302,7 @@ class RemoteProposer(Proposer):
     def due(self, seq_id: str) -> bool:
         """Called last a quarter of the drafter's TTL ago (InfoReply.seq_ttl_s): the drafter
         reclaims a sequence after its TTL, and a Propose for it is then refused (NOT_FOUND),
-        which fails the drafter for every sequence. A long rest (a veto of the adaptive policy's
+        which fails the drafter for every sequence. A long rest (speculation off, for instance a veto of the adaptive policy's
         guard under load) sends a sequence nothing for longer than that."""
         sent, ttl = self.sent_at.get(seq_id), self.client.info.seq_ttl_s
         return sent is not None and ttl > 0 and time.monotonic() - sent > ttl / 4

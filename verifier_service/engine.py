@@ -752,21 +752,32 @@ class SpeculativeEngine:
 
     def _bring_up_to_date(self, running: list[Request], chosen: list[int]) -> bool:
         """Before the drafter drafts for sequences it rested for: those that joined meanwhile
-        start on it (`_wake`, timed as "start"), and on an in-process drafter the committed tokens
-        that piled up meanwhile (more than one round commits) go in through one call of their own
-        (timed as "catch_up"; charged to the drafting call, the backlog made on-demand drafting
-        look dearer, the policy's M(k), after every rest). Both are outside the round, as a start
-        at admission is: the guard counts them, the round's model not. True if anything ran."""
+        start on it (`_wake`, timed as "start"), and the committed tokens that piled up meanwhile
+        go in through one call of their own (timed as "catch_up"; charged to the drafting call, the
+        backlog made on-demand drafting look dearer, the policy's M(k), after every rest): on an
+        in-process drafter once more than one round's tokens are unsent, on a remote one once more
+        than CATCH_UP_TOKENS are (below that they ride in the drafting call, saving a round trip),
+        the drafts asked for early received first, and nothing prepared after it. Both are outside
+        the round, as a start at admission is: the guard counts them, the round's model not. True
+        if anything ran."""
         woken = [r for r, k in zip(running, chosen) if k and r.resting]
         if woken:
             self._wake(woken)
         proposer = self.proposers.get("draft_model")
-        behind = [r for r, k in zip(running, chosen) if k and r.via == "draft_model" and len(r.unsent) > r.k + 1]
-        if not behind or proposer.answers_later:
+        if proposer is None:
             return bool(woken)
+        most = CATCH_UP_TOKENS if proposer.answers_later else None
+        behind = [r for r, k in zip(running, chosen)
+                  if k and r.via == "draft_model" and len(r.unsent) > (most or r.k + 1)]
+        if not behind:
+            return bool(woken)
+        if proposer.answers_later:
+            self._await_early()  # (the client drops drafts asked for early when it reads the next answer)
+            if self.degraded is not None:
+                return True
         t0 = time.perf_counter()
         try:
-            proposer.propose([ProposeItem(r.id, r.unsent, 0) for r in behind])
+            proposer.propose([ProposeItem(r.id, r.unsent, 0, prepare=False) for r in behind])
         except Exception as e:
             self._proposer_failed(e)
             return True

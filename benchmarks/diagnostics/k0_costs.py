@@ -1,8 +1,9 @@
 """Diagnostic (prints, writes no result file): what an adaptive pair costs while it drafts
 nothing. Three pairs (Ray + gRPC, pipelined, 32 sequence slots) under a closed loop of C
 concurrent requests (4 x C greedy requests of 64 held-out prompt tokens, 64 new tokens): "k0",
-an adaptive pair whose policy is made to choose k = 0 every round (its sequences are started on
-the drafter, caught up every CATCH_UP_TOKENS tokens and released, as while speculation is off);
+an adaptive pair whose policy is made to choose k = 0 every round with speculation on (its
+sequences are started on the drafter, caught up every CATCH_UP_TOKENS tokens and released, as
+rows that draft nothing while speculation is on; with it off the drafter rests since stop 67);
 "k0nocatch", the same without the catch-up calls; "plain", requests with k = 0 (nothing started
 on the drafter). Runs alternate, 3 of each; tokens/s and the engine loop's ms per round by phase.
 Made the "k = 0 costs" figures in docs/benchmarks/README.md:
@@ -32,7 +33,7 @@ pairs = {name: SpeculativePair(str(m/"target"), str(m/"drafter"), pipeline=True,
          for name, sp in (("k0", "adaptive"), (SECOND, "adaptive"), ("plain", "fixed"))}
 def force0(self):
     self.engine.policy.choose = lambda limits, *a, **kw: [0] * len(limits)
-    self.engine.policy.on = False  # (as with speculation off: new sequences start on the drafter beside the rounds)
+    self.engine.policy.on = True  # (on: the drafter is fed; off, it rests since stop 67, and this would measure nothing)
 def nocatch(self):
     import specserve.verifier.engine as e
     e.CATCH_UP_TOKENS = 10 ** 9 if CATCH is None else CATCH
