@@ -88,8 +88,8 @@ decoding; with eight it chose k = 0 there (mean k 0.13-0.19; docs/benchmarks/bat
 calibration not re-measured drifts back towards 1 (RELAX per round), so one learnt in a bad spell
 (a busy machine) does not keep speculation off for good. While speculation is off (the model's
 choice or the guard's veto) the drafter rests, in process or remote: it starts no sequence and is
-fed no token, and is brought up to date (each sequence's committed tokens, in one batched call)
-in the round that drafts again, before it drafts, so acceptance does not suffer
+fed no token, and is brought up to date (each sequence's committed tokens, a backlog through a
+call of its own) in the round that drafts again, before it drafts, so acceptance does not suffer
 (`SpeculativeEngine._resting`; until stop 67 a remote drafter was fed meanwhile, and its work beside
 the plain passes slowed them). While speculation is on, a sequence that drafts nothing in a round
 still feeds its drafter once CATCH_UP_TOKENS have piled up.
